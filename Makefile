@@ -1,0 +1,28 @@
+# vime on a CPU machine: `make quickstart` (install + main job), `make test` (install + all CPU tests).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VIME_SHARED_DIR ?= $(abspath ../shared)
+
+.PHONY: install quickstart test test-unit test-e2e lint
+
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	VENV=$(VENV) bash scripts/install.sh
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	$(PY) examples/quickstart/quickstart.py
+
+test: install lint
+	$(PY) -m pytest tests -q --timeout 900
+
+test-unit: install
+	$(PY) -m pytest tests/unit -q
+
+test-e2e: install
+	$(PY) -m pytest tests/e2e -q --timeout 900
+
+lint: install
+	$(VENV)/bin/ruff check vime tests tools examples bench
+	$(VENV)/bin/ruff format --check vime tests tools examples bench

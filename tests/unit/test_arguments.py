@@ -1,0 +1,241 @@
+"""The argument system: pass-through round trips against the installed vLLM/router parsers, validation."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+
+import pytest
+
+from vime.backends.vllm_utils.cli_parsers import (
+    VIME_OWNED_ROUTER_FLAGS,
+    VIME_OWNED_VLLM_FLAGS,
+    build_router_parser,
+    build_vllm_serve_parser,
+)
+from vime.utils.arguments import build_parser, parse_args
+from vime.utils.passthrough_args import passthrough_cli_args
+
+BASE = (
+    "--train-backend fsdp --hf-checkpoint /m --prompt-data /d.jsonl --rollout-batch-size 4 "
+    "--n-samples-per-prompt 4 --num-rollout 3"
+).split()
+CANDIDATE_VALUES = ["1", "0.5", "{}", "auto", "x", "true", "http://127.0.0.1:1", "name=/path"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def yaml_candidate(tmp_path_factory):
+    """vLLM's --config reads a YAML file while parsing, so offer an (empty-mapping) YAML file as a value."""
+    path = tmp_path_factory.mktemp("cfg") / "serve.yaml"
+    path.write_text("{}\n")
+    CANDIDATE_VALUES.append(str(path))
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return build_parser()
+
+
+def _upstream_parse(upstream: argparse.ArgumentParser, tokens: list[str]) -> argparse.Namespace | None:
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return upstream.parse_args(tokens)
+    except (SystemExit, ValueError):
+        return None
+
+
+def _same(a, b) -> bool:
+    """Equal values; config objects without value equality (e.g. KVTransferConfig) compare by their fields
+    minus any that differ between two parses of the same text (random ids)."""
+    if a == b:
+        return True
+    if type(a) is not type(b) or not hasattr(a, "__dict__"):
+        return False
+    return {k: v for k, v in vars(a).items() if not k.endswith("_id")} == {
+        k: v for k, v in vars(b).items() if not k.endswith("_id")
+    }
+
+
+def _valid_tokens(
+    upstream: argparse.ArgumentParser, action: argparse.Action, option: str
+) -> list[str] | None:
+    """Upstream tokens for this option that the upstream parser itself accepts."""
+    if action.nargs == 0:
+        return [option]
+    candidates = [str(c) for c in action.choices][:1] if action.choices else CANDIDATE_VALUES
+    for value in candidates:
+        tokens = [option, value]
+        if _upstream_parse(upstream, tokens) is not None:
+            return tokens
+    return None
+
+
+def _round_trip_all(parser, upstream, prefix: str, owned: dict[str, str]) -> tuple[int, list[str]]:
+    checked, failures = 0, []
+    for action in upstream._actions:
+        if isinstance(action, argparse._HelpAction) or action.dest in owned:
+            continue
+        for option in (o for o in action.option_strings if o.startswith("--")):
+            tokens = _valid_tokens(upstream, action, option)
+            if tokens is None:
+                failures.append(f"{option}: no accepted sample value found")
+                continue
+            ours = parser.parse_args([f"--{prefix}-{option[2:]}", *tokens[1:]])
+            rebuilt = passthrough_cli_args(ours, prefix)
+            direct = _upstream_parse(upstream, tokens)
+            replayed = _upstream_parse(upstream, rebuilt)
+            ours_value = getattr(ours, f"{prefix}_{action.dest}")
+            if replayed is None or not _same(getattr(replayed, action.dest), getattr(direct, action.dest)):
+                failures.append(f"{option}: replay {rebuilt} parsed differently")
+            elif option == "--config":
+                # vLLM expands the YAML file into other flags while parsing and leaves config=None;
+                # vime keeps the path (the replay above shows the server gets the same settings).
+                if ours_value != tokens[1]:
+                    failures.append(f"--config: vime's value {ours_value!r} is not the path")
+            elif not _same(ours_value, getattr(direct, action.dest)):
+                failures.append(f"{option}: vime's value {ours_value!r} differs")
+            checked += 1
+    return checked, failures
+
+
+def test_every_vllm_flag_round_trips_to_the_server_command_line(parser):
+    upstream = build_vllm_serve_parser()
+    checked, failures = _round_trip_all(parser, upstream, "vllm", VIME_OWNED_VLLM_FLAGS)
+    assert not failures, "\n".join(failures)
+    upstream_long = sum(
+        1
+        for a in upstream._actions
+        if a.dest not in VIME_OWNED_VLLM_FLAGS and not isinstance(a, argparse._HelpAction)
+        for o in a.option_strings
+        if o.startswith("--")
+    )
+    assert checked == upstream_long > 300  # every long option of the installed vLLM server was exercised
+
+
+def test_every_router_flag_round_trips(parser):
+    upstream = build_router_parser()
+    checked, failures = _round_trip_all(parser, upstream, "router", VIME_OWNED_ROUTER_FLAGS)
+    assert not failures, "\n".join(failures)
+    assert checked > 50
+
+
+def test_passthrough_keeps_order_and_negative_values(parser):
+    args = parser.parse_args(
+        ["--vllm-max-num-seqs", "8", "--vllm-no-enable-prefix-caching", "--vllm-max-logprobs=-1"]
+    )
+    assert passthrough_cli_args(args, "vllm") == [
+        "--max-num-seqs",
+        "8",
+        "--no-enable-prefix-caching",
+        "--max-logprobs=-1",
+    ]
+    assert (
+        args.vllm_max_num_seqs == 8
+        and args.vllm_enable_prefix_caching is False
+        and args.vllm_max_logprobs == -1
+    )
+    assert passthrough_cli_args(args, "router") == []
+
+
+def test_unset_passthrough_flags_carry_upstream_defaults(parser):
+    args = parser.parse_args([])
+    upstream = build_vllm_serve_parser().parse_args([])
+    assert args.vllm_max_num_seqs == upstream.max_num_seqs
+    assert passthrough_cli_args(args, "vllm") == []
+
+
+@pytest.mark.parametrize("dest", sorted(VIME_OWNED_VLLM_FLAGS))
+def test_flags_vime_owns_are_refused_with_the_fix(parser, dest, capsys):
+    with pytest.raises(SystemExit):
+        parser.parse_args([f"--vllm-{dest.replace('_', '-')}", "x"])
+    err = capsys.readouterr().err
+    assert "vime sets this itself" in err and VIME_OWNED_VLLM_FLAGS[dest] in err
+
+
+def _error_of(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--vllm-max-modl-len", "3"], "did you mean --vllm-max-model-len"),
+        (["--router-polcy", "x"], "did you mean --router-policy"),
+        (["--rollout-temprature", "1"], "did you mean --rollout-temperature"),
+        (["--vllm-max-model-len", "abc"], "argument --vllm-max-model-len: invalid value 'abc'"),
+        (["--vllm-tensor-parallel-size", "2"], "use --rollout-num-gpus-per-engine"),
+        (["--router-policy", "nope"], "argument --router-policy: invalid choice 'nope'"),
+        (["--rollout-temperature", "0"], "--rollout-temperature 0.0: must be > 0"),
+        (["--kl-coef", "0.1", "--use-kl-loss"], "--kl-coef and --use-kl-loss both set"),
+        (["--use-tis", "--use-rollout-logprobs"], "--use-tis with --use-rollout-logprobs"),
+        (["--global-batch-size", "5"], "--global-batch-size 5 does not divide the 16 samples"),
+        (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 does not divide the 16 samples"),
+        (["--global-batch-size", "8", "--num-steps-per-rollout", "4"], "contradicts --num-steps-per-rollout"),
+        (
+            ["--actor-num-gpus-per-node", "3"],
+            "not divisible by the data-parallel size x --micro-batch-size (3)",
+        ),
+        (["--over-sampling-batch-size", "2"], "--over-sampling-batch-size 2 is below --rollout-batch-size 4"),
+        (["--eps-clip-c", "0.5"], "--eps-clip-c 0.5: the dual-clip constant must be > 1"),
+        (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu"),
+        (
+            ["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
+            "not a multiple of --rollout-num-gpus-per-engine",
+        ),
+        (["--vllm-router-ip", "10.0.0.1"], "--vllm-router-ip and --vllm-router-port go together"),
+        (["--update-weight-transport", "tensor"], "needs --colocate"),
+        (["--eval-prompt-data", "a", "b", "c"], "NAME PATH pairs"),
+        (["--apply-chat-template-kwargs", "[1]"], "expected a JSON object"),
+    ],
+)
+def test_parse_time_validation_names_the_flag(extra, expected, capsys):
+    assert expected in _error_of(BASE + extra, capsys)
+
+
+def test_required_flags_are_named(capsys):
+    assert "--rollout-batch-size is required" in _error_of(
+        ["--train-backend", "fsdp", "--hf-checkpoint", "/m", "--n-samples-per-prompt", "2"], capsys
+    )
+    no_prompts = [t for t in BASE if t not in ("--prompt-data", "/d.jsonl")]
+    assert "--prompt-data is required" in _error_of(no_prompts, capsys)
+
+
+def test_grpo_needs_groups(capsys):
+    argv = [t if t != "4" else "1" for t in BASE]  # --rollout-batch-size 1 --n-samples-per-prompt 1
+    assert "needs groups: set --n-samples-per-prompt >= 2" in _error_of(argv, capsys)
+
+
+def test_megatron_backend_without_megatron_core_suggests_fsdp(capsys):
+    argv = [t for t in BASE if t not in ("--train-backend", "fsdp")]
+    err = _error_of(argv, capsys)
+    assert "--train-backend megatron needs" in err and "use --train-backend fsdp" in err
+
+
+def test_derived_defaults():
+    args = parse_args(BASE + ["--num-steps-per-rollout", "2", "--eps-clip", "0.3", "--offload"])
+    assert args.global_batch_size == 8 and args.num_steps_per_rollout == 2
+    assert args.eps_clip_high == 0.3
+    assert args.offload_train and args.offload_rollout
+    assert args.update_weight_transport == "distributed"
+    assert args.critic_num_gpus_per_node == args.actor_num_gpus_per_node
+    assert args.eval_temperature == args.rollout_temperature
+
+
+def test_help_lists_groups_and_points_to_passthrough_help(parser):
+    text = parser.format_help()
+    for title in ("cluster:", "rollout:", "algorithm:", "weight sync:", "megatron: model shape:"):
+        assert title in text
+    assert "--help-vllm" in text and "--help-router" in text
+    assert "--vllm-enforce-eager" not in text  # pass-through flags stay out of the main help
+
+
+def test_help_vllm_lists_passthrough_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--help-vllm"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--vllm-max-model-len" in out and "--vllm-enforce-eager, --vllm-no-enforce-eager" in out

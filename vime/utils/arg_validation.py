@@ -1,0 +1,182 @@
+"""Parse-time checks and derived defaults for vime's arguments (errors name the flag and the fix)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+
+def finalize_args(args: argparse.Namespace) -> None:
+    """Fill derived defaults and reject inconsistent settings (ValueError naming the flag and the fix)."""
+    if args.offload:
+        args.offload_train = args.offload_rollout = True
+    args.critic_num_nodes = args.critic_num_nodes or args.actor_num_nodes
+    args.critic_num_gpus_per_node = args.critic_num_gpus_per_node or args.actor_num_gpus_per_node
+    if args.rollout_num_gpus is None:
+        args.rollout_num_gpus = (
+            args.actor_num_nodes * args.actor_num_gpus_per_node
+            if args.colocate
+            else args.rollout_num_gpus_per_engine
+        )
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    if args.update_weight_transport is None:
+        args.update_weight_transport = "tensor" if args.colocate else "distributed"
+    for name in ("max_response_len", "temperature", "top_p", "top_k"):
+        if getattr(args, f"eval_{name}") is None:
+            setattr(args, f"eval_{name}", getattr(args, f"rollout_{name}"))
+    args.eval_reward_key = args.eval_reward_key or args.reward_key
+    _check_sampling(args)
+    _check_algorithm(args)
+    _check_batch_sizes(args)
+    _check_cluster(args)
+    _check_data(args)
+    _check_backend(args)
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    if args.rollout_temperature <= 0:
+        raise ValueError(
+            f"--rollout-temperature {args.rollout_temperature}: must be > 0 (greedy decoding makes every response "
+            "in a group identical, so group advantages are zero); use e.g. 1.0, or 0.6 for less randomness"
+        )
+    if not 0 < args.rollout_top_p <= 1:
+        raise ValueError(f"--rollout-top-p {args.rollout_top_p}: must be in (0, 1]")
+    if args.n_samples_per_prompt < 1:
+        raise ValueError(f"--n-samples-per-prompt {args.n_samples_per_prompt}: must be >= 1")
+    if args.rollout_max_response_len < 1:
+        raise ValueError(f"--rollout-max-response-len {args.rollout_max_response_len}: must be >= 1")
+
+
+def _check_algorithm(args: argparse.Namespace) -> None:
+    if args.use_kl_loss and args.kl_coef != 0:
+        raise ValueError(
+            "--kl-coef and --use-kl-loss both set: choose one KL (--kl-coef shapes rewards, --use-kl-loss with "
+            "--kl-loss-coef adds a loss term); drop --kl-coef or --use-kl-loss"
+        )
+    if args.use_tis and args.use_rollout_logprobs:
+        raise ValueError(
+            "--use-tis with --use-rollout-logprobs: TIS corrects between the trainer's old log-probs and the "
+            "engine's; with rollout log-probs as the old policy the weight is always 1. Drop one of them"
+        )
+    if args.eps_clip_c is not None and args.eps_clip_c <= 1:
+        raise ValueError(f"--eps-clip-c {args.eps_clip_c}: the dual-clip constant must be > 1 (e.g. 3.0)")
+    if args.tis_clip_low > args.tis_clip:
+        raise ValueError(f"--tis-clip-low {args.tis_clip_low} is above --tis-clip {args.tis_clip}")
+    if (
+        args.advantage_estimator in ("grpo", "gspo")
+        and args.n_samples_per_prompt < 2
+        and not args.debug_train_only
+    ):
+        raise ValueError(
+            f"--advantage-estimator {args.advantage_estimator} needs groups: set --n-samples-per-prompt >= 2 "
+            "(the group mean is the baseline)"
+        )
+
+
+def _check_batch_sizes(args: argparse.Namespace) -> None:
+    if args.rollout_batch_size is None:
+        if args.debug_train_only or args.load_debug_rollout_data:
+            return
+        raise ValueError("--rollout-batch-size is required (number of prompts per rollout step)")
+    if args.rollout_batch_size < 1:
+        raise ValueError(f"--rollout-batch-size {args.rollout_batch_size}: must be >= 1")
+    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
+        raise ValueError(
+            f"--over-sampling-batch-size {args.over_sampling_batch_size} is below --rollout-batch-size "
+            f"{args.rollout_batch_size}; it must be at least as large"
+        )
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    if args.num_steps_per_rollout is not None:
+        if samples % args.num_steps_per_rollout:
+            raise ValueError(
+                f"--num-steps-per-rollout {args.num_steps_per_rollout} does not divide the {samples} samples of a "
+                f"rollout (--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt "
+                f"{args.n_samples_per_prompt})"
+            )
+        derived = samples // args.num_steps_per_rollout
+        if args.global_batch_size is not None and args.global_batch_size != derived:
+            raise ValueError(
+                f"--global-batch-size {args.global_batch_size} contradicts --num-steps-per-rollout "
+                f"{args.num_steps_per_rollout} ({samples} samples / {args.num_steps_per_rollout} = {derived}); "
+                "pass only one of them"
+            )
+        args.global_batch_size = derived
+    if args.global_batch_size is None:
+        args.global_batch_size = samples
+    if samples % args.global_batch_size:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} does not divide the {samples} samples of a rollout "
+            f"(--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt})"
+        )
+    args.num_steps_per_rollout = samples // args.global_batch_size
+    model_parallel = (
+        args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    )
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if world % model_parallel:
+        raise ValueError(
+            f"{world} training ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not divisible by "
+            f"TP x PP x CP = {model_parallel}"
+        )
+    dp_size = world // model_parallel
+    per_step = dp_size if args.use_dynamic_batch_size else dp_size * args.micro_batch_size
+    if args.global_batch_size % per_step:
+        what = (
+            "data-parallel size" if args.use_dynamic_batch_size else "data-parallel size x --micro-batch-size"
+        )
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by the {what} ({per_step}); "
+            "change --global-batch-size, --micro-batch-size or the number of training ranks"
+        )
+    if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
+        raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu (token budget per micro-batch)")
+
+
+def _check_cluster(args: argparse.Namespace) -> None:
+    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+        raise ValueError(
+            f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
+            f"{args.rollout_num_gpus_per_engine}"
+        )
+    if (args.vllm_router_ip is None) != (args.vllm_router_port is None):
+        raise ValueError("--vllm-router-ip and --vllm-router-port go together (an external router's address)")
+    if args.update_weight_transport == "tensor" and not args.colocate:
+        raise ValueError(
+            "--update-weight-transport tensor (CUDA IPC) needs --colocate; use distributed or disk"
+        )
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    needs_prompts = not (args.debug_train_only or args.load_debug_rollout_data)
+    if needs_prompts and not args.prompt_data:
+        raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
+    if not args.hf_checkpoint:
+        raise ValueError(
+            "--hf-checkpoint is required (HF model directory: tokenizer, config, initial weights)"
+        )
+    if args.eval_prompt_data and len(args.eval_prompt_data) % 2:
+        raise ValueError(
+            f"--eval-prompt-data takes NAME PATH pairs; got {len(args.eval_prompt_data)} values: {args.eval_prompt_data}"
+        )
+    if args.num_rollout is None and args.num_epoch is None and not args.debug_train_only:
+        raise ValueError("set --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data)")
+
+
+def _check_backend(args: argparse.Namespace) -> None:
+    if args.train_backend != "megatron" or args.debug_rollout_only:
+        return
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise ValueError(
+            "--train-backend megatron needs megatron-core (pip install 'vime[gpu]'), which is not installed here; "
+            "use --train-backend fsdp (torch-native, runs on CPU and GPU)"
+        )
+    if not os.environ.get("RAY_ADDRESS"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "--train-backend megatron needs CUDA GPUs and none is visible; use --train-backend fsdp "
+                "(torch-native, runs on CPU and GPU)"
+            )

@@ -1,0 +1,410 @@
+"""vime's one argument parser: vime groups + Megatron-named flags + ``--vllm-*`` + ``--router-*``.
+
+Flags follow slime's names. ``--vllm-<flag>`` mirrors every flag of the installed vLLM server and
+``--router-<flag>`` every flag of the installed vllm-router, generated from their own parsers
+(``vime/backends/vllm_utils/cli_parsers.py``); list them with ``--help-vllm`` / ``--help-router``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from collections.abc import Sequence
+
+from vime.backends.vllm_utils.cli_parsers import (
+    VIME_OWNED_ROUTER_FLAGS,
+    VIME_OWNED_VLLM_FLAGS,
+    build_router_parser,
+    build_vllm_serve_parser,
+)
+from vime.utils.arg_validation import finalize_args
+from vime.utils.megatron_args import add_megatron_arguments
+from vime.utils.passthrough_args import add_passthrough_flags, passthrough_help
+
+ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+KL_TYPES = ["k1", "k2", "k3", "low_var_kl"]
+EPILOG = """\
+Pass-through flags (not listed above):
+  --vllm-<flag>    any flag of the installed vLLM server, e.g. --vllm-max-model-len 4096 (list: --help-vllm)
+  --router-<flag>  any flag of the installed vllm-router, e.g. --router-policy cache_aware (list: --help-router)
+"""
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _add_group(parser: argparse.ArgumentParser, title: str, flags: list[tuple[str, dict]]) -> None:
+    group = parser.add_argument_group(title)
+    for flag, kwargs in flags:
+        group.add_argument(flag, **kwargs)
+
+
+CLUSTER = [
+    (
+        "--train-backend",
+        dict(
+            default="megatron",
+            choices=["megatron", "fsdp"],
+            help="Training backend (megatron needs CUDA + megatron-core).",
+        ),
+    ),
+    ("--actor-num-nodes", dict(type=int, default=1, help="Nodes for the actor.")),
+    (
+        "--actor-num-gpus-per-node",
+        dict(type=int, default=1, help="Training ranks per node (GPUs, or CPU processes without GPUs)."),
+    ),
+    ("--critic-num-nodes", dict(type=int, default=None, help="Nodes for the critic (default: as actor).")),
+    (
+        "--critic-num-gpus-per-node",
+        dict(type=int, default=None, help="Ranks per node for the critic (default: as actor)."),
+    ),
+    (
+        "--rollout-num-gpus",
+        dict(
+            type=int,
+            default=None,
+            help="GPUs for all vLLM engines (default: actor's with --colocate, else 1).",
+        ),
+    ),
+    (
+        "--rollout-num-gpus-per-engine",
+        dict(type=int, default=1, help="GPUs per engine (vLLM tensor parallel size)."),
+    ),
+    ("--num-gpus-per-node", dict(type=int, default=8, help="GPUs per node, for placing engines.")),
+    (
+        "--colocate",
+        dict(action="store_true", help="Training and rollout share GPUs (engines sleep while training)."),
+    ),
+    ("--offload", dict(action="store_true", help="Same as --offload-train --offload-rollout.")),
+    ("--offload-train", dict(action="store_true", help="Move training state off the GPU during rollout.")),
+    ("--offload-rollout", dict(action="store_true", help="Sleep vLLM engines during training.")),
+]
+
+DATA = [
+    ("--hf-checkpoint", dict(default=None, help="HF model dir: tokenizer, config, and initial weights.")),
+    ("--prompt-data", dict(default=None, help="Prompt file (.jsonl/.parquet), optionally PATH@[start:end].")),
+    ("--input-key", dict(default="prompt", help="Field holding the prompt (string or chat messages).")),
+    ("--label-key", dict(default="label", help="Field holding the label.")),
+    ("--metadata-key", dict(default="metadata", help="Field holding per-sample metadata (a JSON object).")),
+    ("--tool-key", dict(default=None, help="Field holding tool definitions passed to the chat template.")),
+    (
+        "--apply-chat-template",
+        dict(action="store_true", help="Render prompts with the tokenizer's chat template."),
+    ),
+    (
+        "--apply-chat-template-kwargs",
+        dict(type=_json_dict, default={}, help="JSON kwargs for apply_chat_template."),
+    ),
+    (
+        "--rollout-max-prompt-len",
+        dict(
+            type=int, default=None, help="Drop prompts longer than this many tokens (counted and reported)."
+        ),
+    ),
+    (
+        "--rollout-shuffle",
+        dict(action="store_true", help="Shuffle prompts each epoch (seeded by --rollout-seed and epoch)."),
+    ),
+    (
+        "--rollout-seed",
+        dict(type=int, default=42, help="Seed for prompt shuffling, engines and per-sample sampling seeds."),
+    ),
+]
+
+ROLLOUT = [
+    (
+        "--rollout-function-path",
+        dict(
+            default="vime.rollout.vllm_rollout.generate_rollout",
+            help="generate_rollout(args, rollout_id, data_source, evaluation=False).",
+        ),
+    ),
+    (
+        "--custom-generate-function-path",
+        dict(default=None, help="async generate(args, sample, sampling_params) -> Sample | list[Sample]."),
+    ),
+    ("--rollout-batch-size", dict(type=int, default=None, help="Prompts (groups) per rollout step.")),
+    ("--n-samples-per-prompt", dict(type=int, default=1, help="Responses sampled per prompt (group size).")),
+    (
+        "--over-sampling-batch-size",
+        dict(type=int, default=None, help="Prompts submitted per round when a dynamic filter drops groups."),
+    ),
+    (
+        "--dynamic-sampling-filter-path",
+        dict(default=None, help="fn(args, group) -> DynamicFilterOutput(keep, reason)."),
+    ),
+    (
+        "--partial-rollout",
+        dict(action="store_true", help="Keep aborted samples and resume them next rollout."),
+    ),
+    ("--rollout-max-response-len", dict(type=int, default=1024, help="Max new tokens per response.")),
+    ("--rollout-temperature", dict(type=float, default=1.0, help="Sampling temperature (> 0).")),
+    ("--rollout-top-p", dict(type=float, default=1.0, help="Top-p.")),
+    ("--rollout-top-k", dict(type=int, default=-1, help="Top-k (-1: off).")),
+    ("--rollout-stop", dict(nargs="+", default=None, help="Stop strings.")),
+    ("--rollout-stop-token-ids", dict(type=int, nargs="+", default=None, help="Stop token ids.")),
+    ("--rollout-concurrency", dict(type=int, default=256, help="Max in-flight requests per engine.")),
+    (
+        "--vllm-router-ip",
+        dict(default=None, help="Use an existing vllm-router at this address (start none)."),
+    ),
+    ("--vllm-router-port", dict(type=int, default=None, help="Port of the existing vllm-router.")),
+    (
+        "--engine-start-timeout",
+        dict(type=float, default=600.0, help="Seconds to wait for an engine to become ready."),
+    ),
+]
+
+REWARD = [
+    ("--rm-type", dict(default=None, help="Built-in reward: math, gsm8k, f1, exact, remote_rm.")),
+    (
+        "--custom-rm-path",
+        dict(default=None, help="async rm(args, sample) -> float | dict (list with --group-rm)."),
+    ),
+    ("--group-rm", dict(action="store_true", help="Call the reward function once per group.")),
+    ("--reward-key", dict(default=None, help="Key of a dict reward used for training.")),
+    (
+        "--eval-reward-key",
+        dict(default=None, help="Key of a dict reward used for eval (default: --reward-key)."),
+    ),
+    ("--rm-url", dict(default=None, help="URL for --rm-type remote_rm.")),
+    (
+        "--rm-timeout",
+        dict(type=float, default=None, help="Seconds per reward call; slower samples are marked FAILED."),
+    ),
+]
+
+SCHEDULE = [
+    ("--num-rollout", dict(type=int, default=None, help="Rollout steps to run (default: from --num-epoch).")),
+    ("--num-epoch", dict(type=int, default=None, help="Passes over --prompt-data (sets --num-rollout).")),
+    (
+        "--num-steps-per-rollout",
+        dict(type=int, default=None, help="Optimizer steps per rollout (sets --global-batch-size)."),
+    ),
+    (
+        "--use-dynamic-batch-size",
+        dict(action="store_true", help="Pack micro-batches up to --max-tokens-per-gpu."),
+    ),
+    (
+        "--max-tokens-per-gpu",
+        dict(type=int, default=None, help="Token budget per micro-batch with dynamic batching."),
+    ),
+    ("--gradient-checkpointing", dict(action="store_true", help="Activation checkpointing (fsdp backend).")),
+    (
+        "--update-weights-interval",
+        dict(type=int, default=1, help="Push weights to engines every N rollouts (train_async)."),
+    ),
+]
+
+ALGORITHM = [
+    (
+        "--advantage-estimator",
+        dict(default="grpo", choices=ADVANTAGE_ESTIMATORS, help="Advantage estimator."),
+    ),
+    (
+        "--disable-grpo-std-normalization",
+        dict(action="store_true", help="GRPO/GSPO: subtract the group mean only."),
+    ),
+    (
+        "--normalize-advantages",
+        dict(action="store_true", help="Whiten advantages over the data-parallel batch."),
+    ),
+    ("--eps-clip", dict(type=float, default=0.2, help="PPO clip range (lower).")),
+    ("--eps-clip-high", dict(type=float, default=None, help="PPO clip range (upper; default --eps-clip).")),
+    ("--eps-clip-c", dict(type=float, default=None, help="Dual-clip constant (> 1).")),
+    ("--kl-coef", dict(type=float, default=0.0, help="KL penalty in the reward (ppo, reinforce++).")),
+    ("--use-kl-loss", dict(action="store_true", help="Add KL(policy, ref) to the loss.")),
+    ("--kl-loss-coef", dict(type=float, default=0.0, help="Weight of the KL loss.")),
+    ("--kl-loss-type", dict(default="k1", choices=KL_TYPES, help="KL estimator for the KL loss.")),
+    ("--entropy-coef", dict(type=float, default=0.0, help="Entropy bonus weight.")),
+    ("--gamma", dict(type=float, default=1.0, help="Discount (ppo, reinforce++).")),
+    ("--lambd", dict(type=float, default=1.0, help="GAE lambda (ppo).")),
+    ("--value-clip", dict(type=float, default=0.2, help="Value-loss clip range (ppo).")),
+    ("--critic-lr", dict(type=float, default=None, help="Critic learning rate (default --lr).")),
+    ("--num-critic-only-steps", dict(type=int, default=0, help="Rollouts that train only the critic first.")),
+    (
+        "--use-tis",
+        dict(action="store_true", help="Truncated importance sampling (train vs rollout log-probs)."),
+    ),
+    ("--tis-clip", dict(type=float, default=2.0, help="TIS weight upper bound.")),
+    ("--tis-clip-low", dict(type=float, default=0.0, help="TIS weight lower bound.")),
+    (
+        "--use-rollout-logprobs",
+        dict(action="store_true", help="Use the engine's log-probs as the old policy."),
+    ),
+    ("--custom-loss-function-path", dict(default=None, help="Replace the policy loss.")),
+    ("--custom-advantage-function-path", dict(default=None, help="Replace the advantage estimator.")),
+    (
+        "--opd-kl-coef",
+        dict(
+            type=float, default=0.0, help="On-policy distillation: weight of (logp_student - logp_teacher)."
+        ),
+    ),
+    ("--opd-teacher-load", dict(default=None, help="HF checkpoint of the distillation teacher.")),
+]
+
+CHECKPOINT = [
+    (
+        "--ref-load",
+        dict(
+            default=None,
+            help="Reference model for KL (default --hf-checkpoint); also the fallback for --load.",
+        ),
+    ),
+    ("--critic-load", dict(default=None, help="Critic checkpoint to load.")),
+    ("--critic-save", dict(default=None, help="Critic checkpoint directory.")),
+    (
+        "--save-hf",
+        dict(default=None, help="Also export HF weights here at each save ({rollout_id} is filled in)."),
+    ),
+]
+
+SYNC = [
+    (
+        "--update-weight-transport",
+        dict(
+            default=None,
+            choices=["disk", "distributed", "tensor"],
+            help="Weight sync transport (default: tensor with --colocate, else distributed).",
+        ),
+    ),
+    (
+        "--update-weight-buffer-size",
+        dict(type=int, default=512 * 1024**2, help="Bytes per weight-sync bucket."),
+    ),
+    ("--update-weight-dir", dict(default=None, help="Shared directory for --update-weight-transport disk.")),
+]
+
+EVAL = [
+    (
+        "--eval-function-path",
+        dict(default=None, help="Eval function (default: --rollout-function-path with evaluation=True)."),
+    ),
+    ("--eval-interval", dict(type=int, default=None, help="Evaluate every N rollouts.")),
+    (
+        "--eval-prompt-data",
+        dict(nargs="+", default=None, metavar="NAME PATH", help="Eval datasets as name/path pairs."),
+    ),
+    ("--eval-config", dict(default=None, help="YAML with per-dataset eval settings.")),
+    ("--n-samples-per-eval-prompt", dict(type=int, default=1, help="Samples per eval prompt.")),
+    (
+        "--eval-max-response-len",
+        dict(type=int, default=None, help="Eval max new tokens (default: rollout's)."),
+    ),
+    ("--eval-temperature", dict(type=float, default=None, help="Eval temperature (default: rollout's).")),
+    ("--eval-top-p", dict(type=float, default=None, help="Eval top-p (default: rollout's).")),
+    ("--eval-top-k", dict(type=int, default=None, help="Eval top-k (default: rollout's).")),
+]
+
+DEBUG_AND_LOGGING = [
+    ("--debug-rollout-only", dict(action="store_true", help="Run rollouts without a trainer.")),
+    ("--debug-train-only", dict(action="store_true", help="Train on saved rollouts without engines.")),
+    (
+        "--save-debug-rollout-data",
+        dict(default=None, help="Save each rollout to this path ({rollout_id} is filled in)."),
+    ),
+    (
+        "--load-debug-rollout-data",
+        dict(default=None, help="Load rollouts from this path instead of generating."),
+    ),
+    (
+        "--log-dir",
+        dict(
+            default=None,
+            help="Run directory for metrics JSONL and plots (default: <save>/logs or ./runs/<time>).",
+        ),
+    ),
+    ("--use-tensorboard", dict(action="store_true", help="Log to TensorBoard.")),
+    ("--use-wandb", dict(action="store_true", help="Log to Weights & Biases.")),
+    ("--wandb-mode", dict(default=None, choices=["online", "offline", "disabled"], help="W&B mode.")),
+    ("--wandb-group", dict(default=None, help="W&B group.")),
+]
+
+VIME_GROUPS = [
+    ("cluster", CLUSTER),
+    ("data", DATA),
+    ("rollout", ROLLOUT),
+    ("reward", REWARD),
+    ("schedule", SCHEDULE),
+    ("algorithm", ALGORITHM),
+    ("checkpoint (see also the megatron group)", CHECKPOINT),
+    ("weight sync", SYNC),
+    ("eval", EVAL),
+    ("debug and logging", DEBUG_AND_LOGGING),
+]
+
+
+class VimeArgumentParser(argparse.ArgumentParser):
+    """ArgumentParser whose unknown-flag errors suggest the closest known flag."""
+
+    def error(self, message: str):  # the usage line of ~700 flags would bury the message
+        self.exit(2, f"{self.prog}: error: {message}\n(run '{self.prog} --help' for the flags)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        flags = [token for token in unknown if token.startswith("-")]
+        if unknown:
+            first = (flags or unknown)[0]
+            name = first.split("=", 1)[0]
+            close = difflib.get_close_matches(name, list(self._option_string_actions), n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            if name.startswith("--vllm-"):
+                hint += " (list vLLM flags with --help-vllm)"
+            elif name.startswith("--router-"):
+                hint += " (list router flags with --help-router)"
+            self.error(f"unrecognized argument {first}{hint}")
+        return parsed
+
+
+def build_parser() -> VimeArgumentParser:
+    """The full vime parser: vime groups, Megatron flags, and the pass-through flags."""
+    parser = VimeArgumentParser(
+        prog="vime",
+        description="vime: RL post-training with vLLM rollout (slime-compatible flags).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--help-vllm", action="store_true", help="List every --vllm-<flag> and exit.")
+    parser.add_argument("--help-router", action="store_true", help="List every --router-<flag> and exit.")
+    for title, flags in VIME_GROUPS:
+        _add_group(parser, title, flags)
+    parser.set_defaults(megatron_args_source=add_megatron_arguments(parser))
+    vllm_parser, router_parser = build_vllm_serve_parser(), build_router_parser()
+    parser.vllm_actions = (
+        add_passthrough_flags(parser, vllm_parser, "vllm", VIME_OWNED_VLLM_FLAGS) if vllm_parser else []
+    )
+    parser.router_actions = (
+        add_passthrough_flags(parser, router_parser, "router", VIME_OWNED_ROUTER_FLAGS)
+        if router_parser
+        else []
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate vime's command line (``sys.argv[1:]`` when ``argv`` is None)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.help_vllm or args.help_router:
+        actions, title = (
+            (parser.vllm_actions, "vLLM server flags (pass as --vllm-<flag>):")
+            if args.help_vllm
+            else (parser.router_actions, "vllm-router flags (pass as --router-<flag>):")
+        )
+        print(passthrough_help(actions, title) if actions else "not installed")
+        sys.exit(0)
+    try:
+        finalize_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args

@@ -1,0 +1,216 @@
+"""Megatron-named flags: Megatron-LM's own parser when installed, else vime's copy of the ones it uses.
+
+Both trainers read these (model shape, parallelism, optimizer, schedule, precision, checkpoints), so a
+``scripts/models/*.sh`` MODEL_ARGS line works with or without Megatron-LM. Names and defaults follow
+Megatron-LM, so flags mean the same thing either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+_MODEL = [
+    ("--num-layers", dict(type=int, default=None, help="Number of transformer layers.")),
+    ("--hidden-size", dict(type=int, default=None, help="Transformer hidden size.")),
+    ("--ffn-hidden-size", dict(type=int, default=None, help="FFN hidden size (default 4*hidden).")),
+    ("--num-attention-heads", dict(type=int, default=None, help="Number of attention heads.")),
+    ("--kv-channels", dict(type=int, default=None, help="Head dim (default hidden/heads).")),
+    ("--group-query-attention", dict(action="store_true", help="Use grouped-query attention.")),
+    ("--num-query-groups", dict(type=int, default=1, help="KV heads when GQA is on.")),
+    ("--max-position-embeddings", dict(type=int, default=None, help="Position embedding size.")),
+    ("--seq-length", dict(type=int, default=None, help="Max sequence length for training.")),
+    (
+        "--position-embedding-type",
+        dict(
+            default="learned_absolute",
+            choices=["learned_absolute", "rope", "none"],
+            help="Position embedding type.",
+        ),
+    ),
+    (
+        "--use-rotary-position-embeddings",
+        dict(action="store_true", help="Use RoPE (same as --position-embedding-type rope)."),
+    ),
+    ("--rotary-base", dict(type=int, default=10000, help="RoPE base.")),
+    ("--rotary-percent", dict(type=float, default=1.0, help="Fraction of head dim that gets RoPE.")),
+    ("--use-rope-scaling", dict(action="store_true", help="Llama-3.x RoPE scaling.")),
+    ("--rope-scaling-factor", dict(type=float, default=8.0, help="RoPE scaling factor.")),
+    ("--normalization", dict(default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="Norm type.")),
+    ("--norm-epsilon", dict(type=float, default=1e-5, help="Norm epsilon.")),
+    ("--swiglu", dict(action="store_true", help="Use SwiGLU MLPs.")),
+    (
+        "--disable-bias-linear",
+        dict(action="store_false", dest="add_bias_linear", help="No bias in linear layers."),
+    ),
+    ("--add-qkv-bias", dict(action="store_true", help="Bias on QKV only (Qwen2, GLM).")),
+    ("--qk-layernorm", dict(action="store_true", help="Norm on Q and K (Qwen3).")),
+    ("--untie-embeddings-and-output-weights", dict(action="store_true", help="Separate output layer.")),
+    ("--vocab-size", dict(type=int, default=None, help="Vocabulary size (padded by the model).")),
+    ("--make-vocab-size-divisible-by", dict(type=int, default=128, help="Pad vocab to a multiple of this.")),
+    ("--init-method-std", dict(type=float, default=0.02, help="Init std.")),
+    ("--attention-dropout", dict(type=float, default=0.1, help="Attention dropout.")),
+    ("--hidden-dropout", dict(type=float, default=0.1, help="Hidden dropout.")),
+    (
+        "--attention-backend",
+        dict(default="auto", help="Attention backend (flash, fused, unfused, local, auto)."),
+    ),
+    (
+        "--transformer-impl",
+        dict(
+            default="transformer_engine",
+            choices=["local", "transformer_engine"],
+            help="Layer implementation.",
+        ),
+    ),
+    ("--mtp-num-layers", dict(type=int, default=None, help="Multi-token-prediction layers (GLM-4.5).")),
+]
+
+_MOE = [
+    ("--num-experts", dict(type=int, default=None, help="Number of routed experts.")),
+    ("--moe-ffn-hidden-size", dict(type=int, default=None, help="Expert FFN hidden size.")),
+    ("--moe-shared-expert-intermediate-size", dict(type=int, default=None, help="Shared expert size.")),
+    ("--moe-router-topk", dict(type=int, default=2, help="Experts per token.")),
+    (
+        "--moe-router-score-function",
+        dict(default="softmax", choices=["softmax", "sigmoid"], help="Router score function."),
+    ),
+    ("--moe-router-dtype", dict(default=None, choices=["fp32", "fp64"], help="Router compute dtype.")),
+    ("--moe-router-pre-softmax", dict(action="store_true", help="Softmax before top-k.")),
+    ("--moe-router-enable-expert-bias", dict(action="store_true", help="Aux-loss-free expert bias.")),
+    ("--moe-router-bias-update-rate", dict(type=float, default=1e-3, help="Expert bias update rate.")),
+    ("--moe-router-topk-scaling-factor", dict(type=float, default=None, help="Top-k weight scale.")),
+    (
+        "--moe-router-num-groups",
+        dict(type=int, default=None, help="Expert groups for group-limited routing."),
+    ),
+    ("--moe-router-group-topk", dict(type=int, default=None, help="Groups chosen per token.")),
+    ("--moe-router-load-balancing-type", dict(default="aux_loss", help="Load-balancing type.")),
+    ("--moe-aux-loss-coeff", dict(type=float, default=0.0, help="Aux loss coefficient.")),
+    ("--moe-layer-freq", dict(default="1", help="MoE layer pattern, e.g. '([0]*1+[1]*45)'.")),
+    ("--moe-grouped-gemm", dict(action="store_true", help="Grouped GEMM for experts.")),
+    (
+        "--moe-token-dispatcher-type",
+        dict(default="allgather", choices=["allgather", "alltoall", "flex"], help="Token dispatcher."),
+    ),
+    (
+        "--moe-token-drop-policy",
+        dict(default="probs", choices=["probs", "position"], help="Token drop policy."),
+    ),
+    ("--moe-permute-fusion", dict(action="store_true", help="Fused token permutation.")),
+]
+
+_PARALLEL = [
+    ("--tensor-model-parallel-size", dict(type=int, default=1, help="TP size.")),
+    ("--pipeline-model-parallel-size", dict(type=int, default=1, help="PP size.")),
+    ("--context-parallel-size", dict(type=int, default=1, help="CP size.")),
+    ("--expert-model-parallel-size", dict(type=int, default=1, help="EP size.")),
+    ("--expert-tensor-parallel-size", dict(type=int, default=None, help="TP size inside experts.")),
+    ("--sequence-parallel", dict(action="store_true", help="Sequence parallelism (with TP).")),
+    (
+        "--decoder-first-pipeline-num-layers",
+        dict(type=int, default=None, help="Layers on the first PP stage."),
+    ),
+    ("--decoder-last-pipeline-num-layers", dict(type=int, default=None, help="Layers on the last PP stage.")),
+    ("--use-distributed-optimizer", dict(action="store_true", help="Shard optimizer state over DP.")),
+    (
+        "--recompute-granularity",
+        dict(default=None, choices=["full", "selective"], help="Activation recompute."),
+    ),
+    ("--recompute-method", dict(default=None, choices=["uniform", "block"], help="Recompute method.")),
+    ("--recompute-num-layers", dict(type=int, default=None, help="Layers to recompute.")),
+    (
+        "--distributed-backend",
+        dict(default="nccl", choices=["nccl", "gloo"], help="torch.distributed backend."),
+    ),
+    ("--distributed-timeout-minutes", dict(type=int, default=10, help="Collective timeout.")),
+]
+
+_OPTIM = [
+    ("--optimizer", dict(default="adam", choices=["adam", "sgd"], help="Optimizer (adam = AdamW).")),
+    ("--lr", dict(type=float, default=1e-6, help="Peak learning rate.")),
+    ("--min-lr", dict(type=float, default=0.0, help="Minimum learning rate.")),
+    (
+        "--lr-decay-style",
+        dict(
+            default="constant",
+            choices=["constant", "linear", "cosine", "inverse-square-root"],
+            help="Decay schedule.",
+        ),
+    ),
+    ("--lr-decay-iters", dict(type=int, default=None, help="Steps to decay over (default: all).")),
+    ("--lr-warmup-iters", dict(type=int, default=0, help="Linear warm-up steps.")),
+    ("--lr-warmup-fraction", dict(type=float, default=None, help="Warm-up as a fraction of decay steps.")),
+    ("--lr-warmup-init", dict(type=float, default=0.0, help="LR at the start of warm-up.")),
+    ("--weight-decay", dict(type=float, default=0.01, help="Decoupled weight decay.")),
+    ("--adam-beta1", dict(type=float, default=0.9, help="Adam beta1.")),
+    ("--adam-beta2", dict(type=float, default=0.999, help="Adam beta2.")),
+    ("--adam-eps", dict(type=float, default=1e-8, help="Adam epsilon.")),
+    ("--clip-grad", dict(type=float, default=1.0, help="Global grad-norm clip (0 = off).")),
+    ("--optimizer-cpu-offload", dict(action="store_true", help="Keep optimizer state on CPU.")),
+    ("--overlap-cpu-optimizer-d2h-h2d", dict(action="store_true", help="Overlap CPU-optimizer copies.")),
+    ("--use-precision-aware-optimizer", dict(action="store_true", help="Precision-aware optimizer.")),
+    (
+        "--micro-batch-size",
+        dict(type=int, default=1, help="Samples per micro-batch (without dynamic batching)."),
+    ),
+    ("--global-batch-size", dict(type=int, default=None, help="Samples per optimizer step.")),
+    (
+        "--calculate-per-token-loss",
+        dict(action="store_true", help="Loss = sum over tokens / tokens in the global batch."),
+    ),
+    ("--seed", dict(type=int, default=1234, help="Training random seed.")),
+]
+
+_PRECISION_CKPT_LOG = [
+    ("--bf16", dict(action="store_true", help="Train in bf16 (default fp32).")),
+    ("--fp16", dict(action="store_true", help="Train in fp16.")),
+    ("--accumulate-allreduce-grads-in-fp32", dict(action="store_true", help="fp32 grad accumulation.")),
+    ("--attention-softmax-in-fp32", dict(action="store_true", help="fp32 softmax in attention.")),
+    ("--save", dict(default=None, help="Checkpoint directory to save to.")),
+    ("--load", dict(default=None, help="Checkpoint directory to resume from.")),
+    ("--save-interval", dict(type=int, default=None, help="Save every N rollouts.")),
+    ("--ckpt-step", dict(type=int, default=None, help="Resume this iteration instead of the latest.")),
+    (
+        "--ckpt-format",
+        dict(default="torch_dist", choices=["torch", "torch_dist"], help="Megatron checkpoint format."),
+    ),
+    ("--no-load-optim", dict(action="store_true", help="Do not load optimizer state.")),
+    ("--no-load-rng", dict(action="store_true", help="Do not load RNG state.")),
+    ("--no-save-optim", dict(action="store_true", help="Do not save optimizer state.")),
+    ("--finetune", dict(action="store_true", help="Load weights only; reset iteration and optimizer.")),
+    ("--tensorboard-dir", dict(default=None, help="TensorBoard log directory.")),
+    ("--wandb-project", dict(default=None, help="W&B project.")),
+    ("--wandb-exp-name", dict(default=None, help="W&B run name.")),
+    ("--wandb-save-dir", dict(default=None, help="W&B local directory.")),
+]
+
+
+def megatron_lm_available() -> bool:
+    """Whether Megatron-LM's ``megatron.training`` (not only megatron-core) is importable."""
+    try:
+        module = importlib.import_module("megatron.training.arguments")
+    except Exception:  # ImportError, or megatron.training failing to import without CUDA
+        return False
+    return hasattr(module, "add_megatron_arguments")
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> str:
+    """Add the Megatron flags; returns ``"megatron-lm"`` or ``"vime"`` saying whose definitions were used."""
+    if megatron_lm_available():
+        from megatron.training.arguments import add_megatron_arguments as add_upstream
+
+        add_upstream(parser)
+        return "megatron-lm"
+    sections = [
+        ("megatron: model shape", _MODEL),
+        ("megatron: mixture of experts", _MOE),
+        ("megatron: parallelism and recompute", _PARALLEL),
+        ("megatron: optimizer, schedule and batch", _OPTIM),
+        ("megatron: precision, checkpoints, logging", _PRECISION_CKPT_LOG),
+    ]
+    for title, flags in sections:
+        group = parser.add_argument_group(title)
+        for flag, kwargs in flags:
+            group.add_argument(flag, **kwargs)
+    return "vime"

@@ -1,0 +1,30 @@
+"""Small helpers shared across vime: loading user plug-ins by import path."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+def load_function(path: str, flag: str | None = None) -> Callable[..., Any]:
+    """Import ``"package.module.attr"`` and return the attribute.
+
+    Errors name the module or attribute that failed (and the flag the path came from, if given).
+    """
+    where = f" (from {flag})" if flag else ""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{path!r}{where} is not an import path; expected 'package.module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"cannot import module {module_name!r} for {path!r}{where}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        public = sorted(name for name in vars(module) if not name.startswith("_"))
+        raise AttributeError(
+            f"module {module_name!r} has no attribute {attr!r} (needed by {path!r}{where}); "
+            f"it defines: {', '.join(public[:20])}"
+        ) from None

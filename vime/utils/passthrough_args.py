@@ -1,0 +1,132 @@
+"""Mirror another program's argparse flags under a prefix (``--vllm-*``, ``--router-*``).
+
+The mirrored flags are generated from the upstream parser at run time, so every flag of the installed
+version is available without a hand-kept list. Each mirrored flag validates its value with the upstream
+type/action (errors name the prefixed flag) and records the tokens the user typed, so the upstream
+command line can be rebuilt exactly (:func:`passthrough_cli_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+_RECORD_ATTR = "_passthrough_tokens"
+
+
+class _MirrorAction(argparse.Action):
+    """Parses ``--<prefix>-<flag>`` like upstream ``--<flag>`` and records the raw tokens for replay."""
+
+    def __init__(self, option_strings, dest, upstream: argparse.Action, prefix: str, upstream_parser, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.upstream = upstream
+        self.prefix = prefix
+        self.upstream_parser = upstream_parser
+
+    def _convert(self, raw: str) -> Any:
+        value = raw
+        if self.upstream.type is not None:
+            try:
+                value = self.upstream.type(raw)
+            except Exception as exc:  # upstream types raise ValueError, TypeError, ArgumentTypeError...
+                raise argparse.ArgumentError(self, f"invalid value {raw!r}: {exc}") from None
+        if self.upstream.choices is not None and value not in self.upstream.choices:
+            choices = ", ".join(map(str, self.upstream.choices))
+            raise argparse.ArgumentError(self, f"invalid choice {raw!r} (choose from {choices})")
+        return value
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raw = [] if values is None else [values] if isinstance(values, str) else list(values)
+        converted = [self._convert(v) for v in raw]
+        upstream_option = "--" + option_string.removeprefix(f"--{self.prefix}-")
+        scratch = argparse.Namespace(**{self.upstream.dest: getattr(namespace, self.dest, None)})
+        if self.upstream.nargs == 0:
+            call_values: Any = []
+        elif self.upstream.nargs in (None, "?"):
+            call_values = converted[0] if converted else self.upstream.const
+        else:
+            call_values = converted
+        self.upstream(self.upstream_parser, scratch, call_values, upstream_option)
+        setattr(namespace, self.dest, getattr(scratch, self.upstream.dest))
+        records = getattr(namespace, _RECORD_ATTR, None)
+        if records is None:
+            records = {}
+            setattr(namespace, _RECORD_ATTR, records)
+        records.setdefault(self.prefix, []).append((upstream_option, raw, self.upstream.nargs))
+
+
+class _OwnedByVimeAction(argparse.Action):
+    """A mirrored flag that vime sets itself: using it is an error that says what to do instead."""
+
+    def __init__(self, option_strings, dest, fix: str, **kw):
+        super().__init__(option_strings, dest, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.fix = fix
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise argparse.ArgumentError(self, f"vime sets this itself: {self.fix}")
+
+
+def add_passthrough_flags(
+    parser: argparse.ArgumentParser,
+    upstream_parser: argparse.ArgumentParser,
+    prefix: str,
+    owned: dict[str, str],
+) -> list[argparse.Action]:
+    """Add ``--{prefix}-<flag>`` for every long option of ``upstream_parser``.
+
+    ``owned`` maps upstream dests that vime sets itself to the hint shown if a user passes them. Flags whose
+    prefixed name already exists in ``parser`` (vime's own) are skipped. Returns the mirrored actions.
+    """
+    existing = set(parser._option_string_actions)
+    mirrored = []
+    for action in upstream_parser._actions:
+        if isinstance(action, argparse._HelpAction | argparse._VersionAction) or not action.option_strings:
+            continue
+        long_options = [o for o in action.option_strings if o.startswith("--")]
+        names = [f"--{prefix}-{o[2:]}" for o in long_options if f"--{prefix}-{o[2:]}" not in existing]
+        if not names:
+            continue
+        dest = f"{prefix}_{action.dest}"
+        if action.dest in owned:
+            parser.add_argument(*names, dest=dest, action=_OwnedByVimeAction, fix=owned[action.dest])
+            continue
+        nargs = 0 if action.nargs == 0 else action.nargs
+        mirrored.append(
+            parser.add_argument(
+                *names,
+                dest=dest,
+                action=_MirrorAction,
+                upstream=action,
+                prefix=prefix,
+                upstream_parser=upstream_parser,
+                nargs=nargs,
+                default=action.default,
+                help=argparse.SUPPRESS,
+                metavar=action.metavar,
+            )
+        )
+    return mirrored
+
+
+def passthrough_cli_args(args: argparse.Namespace, prefix: str) -> list[str]:
+    """The upstream command-line tokens for the ``--{prefix}-*`` flags the user passed, in their order."""
+    tokens: list[str] = []
+    for option, raw, nargs in getattr(args, _RECORD_ATTR, {}).get(prefix, []):
+        if nargs is None and len(raw) == 1 and raw[0].startswith("-"):
+            tokens.append(f"{option}={raw[0]}")  # '=' keeps values such as '-1' from reading as flags
+        else:
+            tokens += [option, *raw]
+    return tokens
+
+
+def passthrough_help(actions: list[argparse.Action], title: str) -> str:
+    """A help page listing the mirrored flags with the upstream help text."""
+    lines = [title, ""]
+    for action in actions:
+        upstream_help = (action.upstream.help or "").split("\n")[0]
+        if upstream_help == argparse.SUPPRESS:
+            continue
+        lines.append(f"  {', '.join(action.option_strings)}")
+        if upstream_help:
+            lines.append(f"      {upstream_help[:200]}")
+    return "\n".join(lines)
