@@ -1,6 +1,7 @@
 # vime on a CPU machine: `make quickstart` (install + main job), `make test` (install + all CPU tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+LINT_PATHS := $(wildcard vime tests tools examples bench train.py train_async.py)
 export VIME_SHARED_DIR ?= $(abspath ../shared)
 
 .PHONY: install quickstart test test-unit test-e2e lint
@@ -24,5 +25,5 @@ test-e2e: install
 	$(PY) -m pytest tests/e2e -q --timeout 900
 
 lint: install
-	$(VENV)/bin/ruff check vime tests tools examples bench
-	$(VENV)/bin/ruff format --check vime tests tools examples bench
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
