@@ -1,120 +1,29 @@
-"""Shared e2e fixtures: the tiny model (built once per session) and real vLLM OpenAI servers on CPU.
+"""Shared e2e fixtures: the tiny model (built once per session), vime args for it, and real vLLM engines and
+vllm-routers started with vime's own launcher (``vime.backends.vllm_utils``), stopped at teardown.
 
-Servers run in their own session/process group (``start_new_session=True``) so ``stop()`` can end vLLM's
-engine-core and worker processes with the API server; their logs go to files, shown when a start fails.
+2 CPU cores: keep at most 2 engines alive at once (each takes ~25 s to start); reuse a module-scoped engine
+where tests allow it.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import requests
 
+from vime.backends.vllm_utils.engine import ServerProcess, VLLMEngine
+from vime.backends.vllm_utils.router import RouterProcess
 from vime.tools.make_tiny_model import build_tiny_model
+from vime.utils.arguments import parse_args
 
-# FACTS.md: on CPU always size the KV cache (the default reserves 92% of the NUMA node and can fail to start).
-SERVER_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_SERVER_DEV_MODE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-}
-SERVER_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "256"]
-SERVER_ARGS += ["--logprobs-mode", "processed_logprobs"]
+# Test-friendly engine flags: no torch.compile warm-up, exact fp32 log-probs, a small context.
+TEST_VLLM_FLAGS = ["--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "256"]
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def group_processes(pgid: int) -> list:
-    """Live (non-zombie) processes whose process group is ``pgid``."""
-    import psutil
-
-    alive = []
-    for p in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return alive
-
-
-class VLLMServer:
-    """A ``python -m vllm.entrypoints.openai.api_server`` process group on 127.0.0.1."""
-
-    def __init__(self, model_dir: Path, log_path: Path, extra_args: list[str], env: dict[str, str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-        self.cmd += ["--host", "127.0.0.1", "--port", str(self.port), *SERVER_ARGS, *extra_args]
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.cmd,
-            env={**os.environ, **SERVER_ENV, **env},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.pgid = self.proc.pid  # leader of its new session and group
-        self.ready_s: float | None = None  # seconds from launch to a healthy /health
-
-    def live_processes(self) -> list:
-        """Live members of the server's process group (API server, engine core, workers...)."""
-        return group_processes(self.pgid)
-
-    def log_tail(self, n: int = 60) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-
-    def wait_ready(self, timeout: float = 240.0) -> float:
-        """Poll ``/health``; return seconds until ready. Fail with the log tail if the server dies or hangs."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.proc.poll() is not None:
-                pytest.fail(
-                    f"vLLM server exited with {self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - start
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"vLLM server not ready after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}")
-
-    def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM the whole group, SIGKILL it after ``grace`` seconds; returns once no member is alive."""
-        if not self._signal_group(signal.SIGTERM, grace):
-            self._signal_group(signal.SIGKILL, 10.0)
-        self._log.close()
-
-    def _signal_group(self, sig: signal.Signals, wait: float) -> bool:
-        """Send ``sig`` to the group; True once no live member is left (within ``wait`` seconds)."""
-        try:
-            os.killpg(self.pgid, sig)
-        except ProcessLookupError:
-            return True
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            self.proc.poll()  # reap the leader so it does not linger as a zombie
-            if not self.live_processes():
-                return True
-            time.sleep(0.1)
-        return False
+MakeArgs = Callable[..., argparse.Namespace]
 
 
 @pytest.fixture(scope="session")
@@ -123,21 +32,99 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model") / "model", seed=0)
 
 
-@pytest.fixture
-def vllm_server_factory(tmp_path) -> Iterator[Callable[..., VLLMServer]]:
-    """``start(model_dir, *extra_args, env=None, timeout=240) -> VLLMServer`` (ready); all stopped at teardown."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed")
-    servers: list[VLLMServer] = []
+@pytest.fixture(scope="session")
+def make_args() -> MakeArgs:
+    """``make_args(model_dir, *vime_flags)``: parsed vime args serving ``model_dir`` with the test flags."""
 
-    def start(model_dir: Path, *extra_args: str, env: dict[str, str] | None = None, timeout: float = 240.0):
-        server = VLLMServer(
-            model_dir, tmp_path / f"vllm_server_{len(servers)}.log", list(extra_args), env or {}
+    def make(model_dir: str | Path, *flags: str) -> argparse.Namespace:
+        return parse_args(
+            [
+                "--train-backend", "fsdp", "--hf-checkpoint", str(model_dir),
+                "--prompt-data", f"{model_dir}/train.jsonl", "--rollout-batch-size", "4",
+                "--n-samples-per-prompt", "4", "--num-rollout", "1",
+                *TEST_VLLM_FLAGS, *flags,
+            ]
+        )  # fmt: skip
+
+    return make
+
+
+class Launcher:
+    """Starts engines and routers with logs under ``log_dir``; :meth:`stop_all` ends them all."""
+
+    def __init__(self, log_dir: Path, make_args: MakeArgs):
+        self.log_dir = log_dir
+        self.make_args = make_args
+        self.servers: list[ServerProcess] = []
+
+    def engine(
+        self,
+        model_dir: str | Path,
+        *vime_flags: str,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        timeout: float = 240.0,
+    ) -> VLLMEngine:
+        """A ready engine for ``model_dir``; ``vime_flags`` are vime/``--vllm-*`` flags, ``extra_args`` raw
+        vLLM flags. Its ``ready_s`` is the start time in seconds."""
+        if importlib.util.find_spec("vllm") is None:
+            pytest.skip("vllm is not installed")
+        engine = VLLMEngine(
+            self.make_args(model_dir, *vime_flags),
+            log_path=self.log_dir / f"engine_{len(self.servers)}.log",
+            extra_args=extra_args,
+            env={**OFFLINE_ENV, **(env or {})},
         )
-        servers.append(server)
-        server.ready_s = server.wait_ready(timeout)
-        return server
+        self.servers.append(engine)
+        engine.start()
+        engine.ready_s = engine.wait_ready_sync(timeout)
+        return engine
 
-    yield start
-    for server in servers:
-        server.stop()
+    def router(self, *vime_flags: str) -> RouterProcess:
+        """A ready vllm-router (no workers); ``vime_flags`` may hold ``--router-*`` flags."""
+        if importlib.util.find_spec("vllm_router") is None:
+            pytest.skip("vllm-router is not installed")
+        router = RouterProcess(
+            self.make_args("unused", *vime_flags), log_path=self.log_dir / f"router_{len(self.servers)}.log"
+        )
+        self.servers.append(router)
+        router.start()
+        router.wait_ready_sync(60)
+        return router
+
+    def stop_all(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+
+
+@pytest.fixture
+def engine_factory(tmp_path, make_args) -> Iterator[Callable[..., VLLMEngine]]:
+    """``engine_factory(model_dir, *vime_flags, extra_args=(), env=None, timeout=240) -> VLLMEngine`` (ready);
+    all stopped at the end of the test."""
+    launcher = Launcher(tmp_path, make_args)
+    yield launcher.engine
+    launcher.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_engine_factory(tmp_path_factory, make_args) -> Iterator[Callable[..., VLLMEngine]]:
+    """Like ``engine_factory``, but the engines live until the end of the test module (share them)."""
+    launcher = Launcher(tmp_path_factory.mktemp("engines"), make_args)
+    yield launcher.engine
+    launcher.stop_all()
+
+
+@pytest.fixture
+def router_factory(tmp_path, make_args) -> Iterator[Callable[..., RouterProcess]]:
+    """``router_factory(*vime_flags) -> RouterProcess`` (ready, no workers); all stopped after the test."""
+    launcher = Launcher(tmp_path, make_args)
+    yield launcher.router
+    launcher.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_router_factory(tmp_path_factory, make_args) -> Iterator[Callable[..., RouterProcess]]:
+    """Like ``router_factory``, but the routers live until the end of the test module."""
+    launcher = Launcher(tmp_path_factory.mktemp("routers"), make_args)
+    yield launcher.router
+    launcher.stop_all()

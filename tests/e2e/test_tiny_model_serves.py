@@ -17,16 +17,16 @@ def _complete(url: str, model: str, prompt_ids: list[int], **extra) -> dict:
     return resp.json()["choices"][0]
 
 
-def test_tiny_model_serves_tokens_and_logprobs(tiny_model_dir, vllm_server_factory):
+def test_tiny_model_serves_tokens_and_logprobs(tiny_model_dir, engine_factory):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    server = vllm_server_factory(tiny_model_dir)
-    print(f"vLLM server ready in {server.ready_s:.1f}s")
+    engine = engine_factory(tiny_model_dir)
+    print(f"vLLM engine ready in {engine.ready_s:.1f}s")
     model = str(tiny_model_dir)
     prompt_ids = tok.encode("17+3=")
 
-    choice = _complete(server.url, model, prompt_ids)
+    choice = _complete(engine.url, model, prompt_ids)
     assert choice["finish_reason"] in {"stop", "length"}
     token_ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
     assert 1 <= len(token_ids) <= 4 and len(token_ids) == len(logprobs)
@@ -37,21 +37,21 @@ def test_tiny_model_serves_tokens_and_logprobs(tiny_model_dir, vllm_server_facto
     # Both eos ids end a response (tokenizer eos <|im_end|>, plus generation_config's <|endoftext|>), and
     # the stop token is part of token_ids.
     for eos in (tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id):
-        forced = _complete(server.url, model, prompt_ids, logit_bias={str(eos): 100})
+        forced = _complete(engine.url, model, prompt_ids, logit_bias={str(eos): 100})
         assert forced["finish_reason"] == "stop" and forced["token_ids"] == [eos], forced
 
     # The server renders chats with the tokenizer's own template.
     messages = [{"role": "user", "content": "17+3="}]
     body = {"model": model, "messages": messages, "max_tokens": 2, "return_token_ids": True}
-    chat = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    chat = requests.post(f"{engine.url}/v1/chat/completions", json=body, timeout=60)
     assert chat.status_code == 200, chat.text
     expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert chat.json()["prompt_token_ids"] == tok.encode(expected)
 
-    children = psutil.Process(server.proc.pid).children(recursive=True)
+    children = psutil.Process(engine.proc.pid).children(recursive=True)
     assert children, "expected vLLM's engine-core process under the API server"
-    server.stop()
-    assert server.proc.returncode is not None
-    assert server.live_processes() == []
+    engine.stop()
+    assert engine.proc.returncode is not None
+    assert engine.live_processes() == []
     for child in children:
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, child

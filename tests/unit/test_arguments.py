@@ -190,6 +190,8 @@ def _error_of(argv: list[str], capsys) -> str:
         (["--update-weight-transport", "tensor"], "needs --colocate"),
         (["--eval-prompt-data", "a", "b", "c"], "NAME PATH pairs"),
         (["--apply-chat-template-kwargs", "[1]"], "expected a JSON object"),
+        (["--eval-interval", "5"], "--eval-interval 5 needs --eval-prompt-data or --eval-config"),
+        (["--num-epoch", "2"], "--num-rollout and --num-epoch both set"),
     ],
 )
 def test_parse_time_validation_names_the_flag(extra, expected, capsys):

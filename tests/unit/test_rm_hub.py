@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import types
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from vime.rollout.rm_hub import async_rm, batched_async_rm, reward_samples
 from vime.rollout.rm_hub.f1 import f1_score, normalize_answer
 from vime.rollout.rm_hub.gsm8k import compute_gsm8k_reward, extract_final_number, parse_gsm8k_label
 from vime.rollout.rm_hub.math_utils import compute_math_reward, extract_answer, extract_boxed
+from vime.utils.misc import free_port
 from vime.utils.types import Sample, Status
 
 
@@ -196,12 +196,6 @@ def test_unknown_rm_type_lists_valid_names():
 # ---------------------------------------------------------------- remote_rm
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def _with_reward_server(body_fn):
     """Start a local aiohttp reward server, run ``body_fn(url, received)``, stop the server."""
     received = []
@@ -222,7 +216,7 @@ async def _with_reward_server(body_fn):
     app.router.add_post("/rm", handle)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     try:

@@ -156,12 +156,16 @@ def _check_data(args: argparse.Namespace) -> None:
         raise ValueError(
             "--hf-checkpoint is required (HF model directory: tokenizer, config, initial weights)"
         )
-    if args.eval_prompt_data and len(args.eval_prompt_data) % 2:
-        raise ValueError(
-            f"--eval-prompt-data takes NAME PATH pairs; got {len(args.eval_prompt_data)} values: {args.eval_prompt_data}"
-        )
+    from vime.rollout.eval_config import (
+        load_eval_configs,  # validates --eval-prompt-data / --eval-config early
+    )
+
+    if not load_eval_configs(args) and args.eval_interval:
+        raise ValueError(f"--eval-interval {args.eval_interval} needs --eval-prompt-data or --eval-config")
     if args.num_rollout is None and args.num_epoch is None and not args.debug_train_only:
         raise ValueError("set --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data)")
+    if args.num_rollout is not None and args.num_epoch is not None:
+        raise ValueError("--num-rollout and --num-epoch both set; pass one (--num-epoch sets --num-rollout)")
 
 
 def _check_backend(args: argparse.Namespace) -> None:

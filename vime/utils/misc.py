@@ -1,8 +1,9 @@
-"""Small helpers shared across vime: loading user plug-ins by import path."""
+"""Small helpers shared across vime: loading user plug-ins by import path, finding a free port."""
 
 from __future__ import annotations
 
 import importlib
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -28,3 +29,10 @@ def load_function(path: str, flag: str | None = None) -> Callable[..., Any]:
             f"module {module_name!r} has no attribute {attr!r} (needed by {path!r}{where}); "
             f"it defines: {', '.join(public[:20])}"
         ) from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (another process may still take it before use)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,33 @@
+"""Plug-ins the rollout e2e tests load by import path (as users load theirs)."""
+
+from __future__ import annotations
+
+from vime.rollout.filter_hub.base_types import DynamicFilterOutput
+from vime.rollout.vllm_rollout import append_response, generate
+from vime.utils.types import Status
+
+
+async def slow_odd_groups(args, sample, sampling_params):
+    """Odd groups generate long (no EOS), even groups two tokens: odd ones are in flight when the batch fills."""
+    if sample.group_index % 2:
+        sampling_params.update(ignore_eos=True, max_tokens=400)
+    else:
+        sampling_params.update(max_tokens=2)
+    return await generate(args, sample, sampling_params)
+
+
+def keep_even_groups(args, samples):
+    """Keep only groups with an even group_index."""
+    keep = samples[0].group_index % 2 == 0
+    return DynamicFilterOutput(keep=keep, reason=None if keep else "odd_group")
+
+
+async def two_turns_with_tool_output(args, sample, sampling_params):
+    """Model turn, a fake tool's reply (masked out of the loss), then a second model turn."""
+    sampling_params["max_tokens"] = 3
+    sample = await generate(args, sample, sampling_params)
+    tool_tokens = [5, 6, 7]
+    append_response(sample, tool_tokens, [], "<tool>", trainable=False)
+    sample.status = Status.PENDING
+    sampling_params["max_tokens"] = sample.response_length + 3
+    return await generate(args, sample, sampling_params)

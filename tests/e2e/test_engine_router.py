@@ -1,0 +1,287 @@
+"""vime's engine launcher, control client and router glue against a real vLLM server and vllm-router.
+
+One engine and one router are shared by the module (2 CPU cores); the last test stops them and checks that
+no process is left, so keep it last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import aiohttp
+import psutil
+import pytest
+import requests
+
+from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
+from vime.backends.vllm_utils.engine import EngineStartError
+from vime.backends.vllm_utils.router import (
+    RouterProcess,
+    connect_router,
+    list_workers,
+    register_workers,
+    unregister_worker,
+)
+from vime.tools.make_tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = [5, 6, 7]
+CONTEXT = 2048  # the module's model takes long requests, so a pause lands mid-flight even on 2 busy cores
+LONG = CONTEXT - 16  # max_tokens of a long request: ~3 s of decoding at n=4
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, module_engine_factory, module_router_factory) -> SimpleNamespace:
+    """One tiny-model engine (seed 0, context ``CONTEXT``) registered with one router."""
+    model = build_tiny_model(
+        tmp_path_factory.mktemp("long") / "model", task=None, max_position_embeddings=CONTEXT
+    )
+    engine = module_engine_factory(model, "--vllm-max-model-len", str(CONTEXT))
+    router = module_router_factory()
+    asyncio.run(register_workers(router.url, [engine.url]))
+    return SimpleNamespace(engine=engine, router=router, model=str(model))
+
+
+def _body(served: SimpleNamespace, **extra) -> dict:
+    return {
+        "model": served.model,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "return_token_ids": True,
+        "logprobs": 0,
+        **extra,
+    }
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, first_chunk: asyncio.Event) -> None:
+    """A streamed completion, read to its end; sets ``first_chunk`` when the first token arrives."""
+    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                first_chunk.set()
+
+
+def _finished_before_pause(request: asyncio.Task) -> bool:
+    if not request.done():
+        return False
+    status, result = request.result()
+    return status == 200 and all(
+        c["finish_reason"] == "length" and len(c["token_ids"]) == LONG for c in result["choices"]
+    )
+
+
+async def _pause_mid_flight(
+    session: aiohttp.ClientSession, client: EngineControlClient, served: SimpleNamespace, mode: str
+) -> tuple[asyncio.Task, asyncio.Task]:
+    """Send a long request (n=4) through the router, then a streamed probe request; once the probe's first
+    token arrives (the batch is decoding), pause the engine with ``mode`` and return both requests.
+
+    Retried (5 tries) when the pause missed the request: it finished first (2 busy cores), or with ``abort``
+    it had not reached the engine yet and is held until resume (not aborted; see the abort test)."""
+    body = _body(served, n=4, max_tokens=LONG, ignore_eos=True)
+    for _ in range(5):
+        request = asyncio.create_task(_post(session, served.router.url, body))
+        first_chunk = asyncio.Event()
+        probe = asyncio.create_task(_stream(session, served.router.url, {**body, "n": 1}, first_chunk))
+        decoding = asyncio.create_task(first_chunk.wait())
+        await asyncio.wait([request, decoding], return_when=asyncio.FIRST_COMPLETED)
+        decoding.cancel()
+        if not request.done():
+            await client.pause(mode)
+            await asyncio.wait([request], timeout=1.0 if mode == "keep" else 5.0)
+            if not _finished_before_pause(request) and (mode == "keep" or request.done()):
+                return request, probe
+            await client.resume()
+        await asyncio.gather(request, probe)
+    raise AssertionError(f"5 long requests all missed the pause(mode={mode})")
+
+
+def _tokens_and_logprobs(choice: dict) -> tuple[list[int], list[float]]:
+    token_ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    assert len(token_ids) == len(logprobs), choice
+    assert all(isinstance(lp, float) and lp <= 0.0 for lp in logprobs), choice
+    return token_ids, logprobs
+
+
+@pytest.mark.timeout(360)  # includes starting the module's engine
+def test_generate_through_router_and_manage_workers(served):
+    engine, router = served.engine, served.router
+    assert asyncio.run(list_workers(router.url)) == [engine.url]
+    asyncio.run(register_workers(router.url, [engine.url]))  # already listed: skipped, not an error
+    assert asyncio.run(list_workers(router.url)) == [engine.url]
+
+    resp = requests.post(f"{router.url}/v1/completions", json=_body(served, n=4), timeout=60)
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    assert len(choices) == 4
+    for choice in choices:
+        token_ids, _ = _tokens_and_logprobs(choice)
+        assert 1 <= len(token_ids) <= 8 and choice["finish_reason"] in {"stop", "length"}
+        assert choice["prompt_token_ids"] == PROMPT
+
+    asyncio.run(unregister_worker(router.url, engine.url))
+    assert asyncio.run(list_workers(router.url)) == []
+    no_worker = requests.post(f"{router.url}/v1/completions", json=_body(served), timeout=60)
+    assert no_worker.status_code == 503, no_worker.text
+    asyncio.run(register_workers(router.url, [engine.url]))
+    assert asyncio.run(list_workers(router.url)) == [engine.url]
+
+
+def _prompt_logprobs(engine_url: str, model: str, token_ids: list[int]) -> list[float]:
+    """The engine's log-prob of each token of ``token_ids`` after the first."""
+    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0}
+    resp = requests.post(f"{engine_url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    entries = resp.json()["choices"][0]["prompt_logprobs"]
+    return [entry[str(tok)]["logprob"] for tok, entry in zip(token_ids[1:], entries[1:], strict=True)]
+
+
+@pytest.mark.timeout(180)
+def test_control_routes_on_the_engine(served, tmp_path):
+    engine = served.engine
+    other_model = build_tiny_model(tmp_path / "seed1", seed=1, task=None, max_position_embeddings=CONTEXT)
+    sequence = [*PROMPT, 12, 30, 8, 41, 3]
+
+    async def main() -> None:
+        async with EngineControlClient(engine.url) as client:
+            assert await client.health()
+            await client.pause("keep")
+            assert await client.is_paused()
+            await client.resume()
+            assert not await client.is_paused()
+            assert await client.reset_prefix_cache()
+
+            # CPU: /sleep is accepted and is_sleeping flips, but nothing is freed (FACTS.md).
+            assert not await client.is_sleeping()
+            await client.sleep(level=1)
+            assert await client.is_sleeping()
+            await client.wake_up(tags=["weights", "kv_cache"])
+            assert not await client.is_sleeping()
+
+            before = await asyncio.to_thread(_prompt_logprobs, engine.url, served.model, sequence)
+            assert await client.reload_weights(str(other_model)) == [None]
+            changed = await asyncio.to_thread(_prompt_logprobs, engine.url, served.model, sequence)
+            assert max(abs(a - b) for a, b in zip(before, changed, strict=True)) > 1e-3, (before, changed)
+            await client.reload_weights(served.model)  # back to the shared model for the other tests
+            restored = await asyncio.to_thread(_prompt_logprobs, engine.url, served.model, sequence)
+            assert restored == pytest.approx(before, abs=1e-5)
+
+            with pytest.raises(EngineControlError) as err:
+                await client.collective_rpc("no_such_method")
+            assert err.value.status == 500 and "no_such_method" in str(err.value)
+            assert await client.health()  # a failed RPC does not take the engine down
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_pause_keep_freezes_in_flight_requests_until_resume(served):
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session, EngineControlClient(served.engine.url) as client:
+            request, probe = await _pause_mid_flight(session, client, served, "keep")
+            assert not request.done(), "a kept request must not finish while the engine is paused"
+            assert await client.reset_prefix_cache()
+            await client.resume()
+            status, result = await asyncio.wait_for(request, 60)
+            await asyncio.wait_for(probe, 60)
+            assert status == 200
+            for choice in result["choices"]:
+                token_ids, _ = _tokens_and_logprobs(choice)
+                assert choice["finish_reason"] == "length" and len(token_ids) == LONG
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_pause_abort_returns_partial_responses_and_holds_new_requests(served):
+    """The behaviour vime relies on to drop surplus requests: pause(abort) ends in-flight requests with HTTP
+    200, finish_reason "abort" and the tokens/log-probs generated so far (possibly none); a request that
+    arrives while paused is not aborted but waits for resume."""
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session, EngineControlClient(served.engine.url) as client:
+            request, probe = await _pause_mid_flight(session, client, served, "abort")
+            status, result = request.result()
+            assert status == 200, result
+            lengths = []
+            for choice in result["choices"]:
+                token_ids, _ = _tokens_and_logprobs(choice)
+                assert choice["finish_reason"] == "abort", choice
+                lengths.append(len(token_ids))
+            assert max(lengths) < LONG
+            assert result["usage"]["completion_tokens"] == sum(lengths)
+            print(f"aborted after {lengths} tokens")
+
+            held = asyncio.create_task(_post(session, served.router.url, _body(served, max_tokens=4)))
+            await asyncio.sleep(1.0)
+            assert not held.done(), "a request sent while paused must wait for resume"
+            await client.resume()
+            status, result = await asyncio.wait_for(held, 30)
+            assert status == 200 and result["choices"][0]["finish_reason"] in {"stop", "length"}
+            await asyncio.wait_for(probe, 30)  # aborted with the request
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_failed_start_raises_with_the_log_tail(engine_factory, tmp_path):
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    start = time.monotonic()
+    with pytest.raises(EngineStartError) as err:
+        engine_factory(empty)
+    elapsed = time.monotonic() - start
+    message = str(err.value)
+    assert "exited with code" in message and f"--model {empty}" in message
+    assert "Invalid repository ID or local directory" in message  # vLLM's own error, from the log tail
+    assert elapsed < 60, f"a failed start took {elapsed:.0f}s to report"
+
+
+@pytest.mark.timeout(60)
+def test_connect_router_external_or_started(make_args, router_factory, tiny_model_dir):
+    external = router_factory()
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    args = make_args(
+        tiny_model_dir, "--vllm-router-ip", "127.0.0.1", "--vllm-router-port", str(external.port)
+    )
+    url, started = connect_router(args)
+    assert (url, started) == (external.url, None)
+    assert {p.pid for p in me.children(recursive=True)} == before, "external mode must start no process"
+
+    dead_port = ["--vllm-router-ip", "127.0.0.1", "--vllm-router-port", "1"]
+    with pytest.raises(ConnectionError, match="--vllm-router-ip"):
+        connect_router(make_args(tiny_model_dir, *dead_port))
+
+    url, started = connect_router(make_args(tiny_model_dir, "--router-policy", "round_robin"))
+    try:
+        assert isinstance(started, RouterProcess) and started.is_alive() and url == started.url
+        assert "--policy" in started.command and asyncio.run(list_workers(url)) == []
+    finally:
+        started.stop()
+    assert started.live_processes() == [] and not started.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_stop_leaves_no_process_of_engine_or_router(served):
+    """Last in the module: stops the shared engine and router."""
+    engine, router = served.engine, served.router
+    children = psutil.Process(engine.proc.pid).children(recursive=True)
+    assert children, "expected vLLM's engine-core process under the API server"
+    assert router.live_processes()
+    for server in (engine, router):
+        server.stop()
+        assert server.live_processes() == [] and not server.is_alive()
+        server.stop()  # idempotent
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in children)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{engine.url}/health", timeout=5)

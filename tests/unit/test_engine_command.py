@@ -1,0 +1,232 @@
+"""Engine/router launch plumbing without vLLM: commands, environment, host check, process groups, start
+errors, and the control client's requests and errors against a fake server."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import psutil
+import pytest
+from aiohttp import web
+
+from vime.backends.vllm_utils import engine as engine_mod
+from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
+from vime.backends.vllm_utils.engine import (
+    EngineStartError,
+    ServerProcess,
+    VLLMEngine,
+    build_engine_command,
+    build_engine_env,
+    check_private_host,
+)
+from vime.backends.vllm_utils.router import RouterProcess, build_router_command, router_executable
+from vime.utils.arguments import parse_args
+
+BASE = (
+    "--train-backend fsdp --hf-checkpoint /models/tiny --prompt-data /d.jsonl --rollout-batch-size 4 "
+    "--n-samples-per-prompt 4 --num-rollout 3"
+).split()
+
+
+def _args(*flags: str):
+    return parse_args([*BASE, *flags])
+
+
+def test_engine_command_has_vime_flags_then_extra_then_passthrough_in_order():
+    args = _args(
+        *"--rollout-seed 7 --vllm-max-model-len 256 --vllm-enforce-eager --vllm-dtype float32".split()
+    )
+    cmd = build_engine_command(args, "127.0.0.1", 8123, extra_args=["--worker-extension-cls", "x.Y"])
+    assert cmd == [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", "/models/tiny", "--host", "127.0.0.1", "--port", "8123", "--seed", "7",
+        "--tensor-parallel-size", "1", "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", "x.Y",
+        "--max-model-len", "256", "--enforce-eager", "--dtype", "float32",
+    ]  # fmt: skip
+
+
+def test_engine_command_model_path_overrides_hf_checkpoint():
+    cmd = build_engine_command(_args(), "10.0.0.5", 9000, model_path="/ckpt/iter_3")
+    assert cmd[cmd.index("--model") + 1] == "/ckpt/iter_3"
+    assert cmd[cmd.index("--host") + 1] == "10.0.0.5"
+    assert cmd[-2:] == ["--logprobs-mode", "processed_logprobs"]  # no pass-through flags given
+
+
+@pytest.mark.parametrize(
+    ("flags", "base_env", "cuda", "expected_kv_space"),
+    [
+        ([], {}, False, "1"),  # CPU, nothing sized: vime sizes it
+        ([], {"VLLM_CPU_KVCACHE_SPACE": "4"}, False, "4"),  # the user's env var wins
+        (["--vllm-kv-cache-memory-bytes", "2G"], {}, False, None),  # the env var would override the flag
+        (["--vllm-gpu-memory-utilization", "0.3"], {}, False, None),
+        ([], {}, True, None),  # GPU: vLLM's own sizing
+    ],
+)
+def test_engine_env_sizes_the_cpu_kv_cache_only_when_the_user_did_not(
+    monkeypatch, flags, base_env, cuda, expected_kv_space
+):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    base = {"PATH": "/bin", **base_env}
+    env = build_engine_env(_args(*flags), base_env=base)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
+    assert env["PATH"] == "/bin"
+    assert env.get("VLLM_CPU_KVCACHE_SPACE") == expected_kv_space
+    assert "VLLM_SERVER_DEV_MODE" not in base  # the caller's mapping is not modified
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "8.8.8.8"])
+def test_public_or_wildcard_hosts_are_refused(host):
+    with pytest.raises(ValueError, match="no authentication"):
+        check_private_host(host)
+    with pytest.raises(ValueError, match="refusing to listen"):
+        VLLMEngine(_args(), host=host)
+    with pytest.raises(ValueError, match="refusing to listen"):
+        RouterProcess(_args(), host=host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "10.1.2.3", "192.168.0.7"])
+def test_loopback_and_private_hosts_are_accepted(host):
+    check_private_host(host)
+
+
+def test_router_command_passes_router_flags_after_a_free_metrics_port():
+    exe = router_executable()
+    assert exe.endswith("vllm-router")
+    args = _args("--router-policy", "round_robin", "--router-prometheus-port", "29100")
+    cmd = build_router_command(args, "127.0.0.1", 30001)
+    assert cmd[:6] == [exe, "--host", "127.0.0.1", "--port", "30001", "--prometheus-port"]
+    assert int(cmd[6]) not in (29000, 30001)
+    assert cmd[7:] == ["--policy", "round_robin", "--prometheus-port", "29100"]  # the user's port wins
+    assert len(build_router_command(_args(), "127.0.0.1", 30001)) == 7
+
+
+def _server(tmp_path, script: str) -> ServerProcess:
+    command = [sys.executable, "-c", script]
+    return ServerProcess("fake server", command, {}, "127.0.0.1", 1, tmp_path / "s.log", start_timeout=60)
+
+
+def test_start_error_names_command_exit_code_and_log_tail(tmp_path):
+    script = "import sys\nfor i in range(100): print('line', i)\nsys.exit(3)"
+    server = _server(tmp_path, script).start()
+    start = time.monotonic()
+    with pytest.raises(EngineStartError) as err:
+        server.wait_ready_sync()
+    assert time.monotonic() - start < 10
+    message = str(err.value)
+    assert "exited with code 3" in message and "range(100)" in message  # the command
+    assert "line 99" in message and "line 60" in message and "line 59" not in message  # the last 40 lines
+    assert not server.is_alive()
+
+
+def test_start_timeout_stops_the_whole_group(tmp_path):
+    # The leader starts a child in its group, then never serves /health.
+    script = "import subprocess, time\nsubprocess.Popen(['sleep', '300'])\nprint('up', flush=True)\ntime.sleep(300)"
+    server = _server(tmp_path, script).start()
+    deadline = time.monotonic() + 10
+    while len(server.live_processes()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    members = server.live_processes()
+    assert len(members) == 2
+    with pytest.raises(EngineStartError, match=r"timed out after 1s(.|\n)*up"):
+        asyncio.run(server.wait_ready(timeout=1))
+    assert server.live_processes() == []
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in members)
+    server.stop()  # idempotent
+
+
+def test_stop_escalates_to_sigkill_and_the_safety_net_stops_running_servers(tmp_path):
+    script = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(300)"
+    server = _server(tmp_path, script)
+    with server:
+        deadline = time.monotonic() + 10
+        while "up" not in server.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        start = time.monotonic()
+        server.stop(grace_s=0.5)
+        assert 0.5 <= time.monotonic() - start < 5
+        assert server.proc.returncode == -9 and server.live_processes() == []
+
+    forgotten = _server(tmp_path, "import time; time.sleep(300)").start()
+    assert forgotten in engine_mod._RUNNING
+    engine_mod._stop_running_servers()
+    assert not forgotten.is_alive() and forgotten not in engine_mod._RUNNING
+
+
+def test_control_client_requests_and_errors():
+    seen: list[tuple[str, str, list, object]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        seen.append((request.method, request.path, list(request.query.items()), body))
+        routes = {
+            "/is_paused": {"is_paused": True},
+            "/is_sleeping": {"is_sleeping": False},
+            "/reset_prefix_cache": {"success": True},
+            "/collective_rpc": {"results": [None]},
+        }
+        if request.path == "/broken":
+            return web.Response(status=500, text="x" * 1000)
+        return web.json_response(routes.get(request.path, {}))
+
+    async def main():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with EngineControlClient(url + "/") as client:
+                assert await client.health()
+                await client.pause()
+                await client.pause("abort")
+                with pytest.raises(ValueError, match="keep, wait or abort"):
+                    await client.pause("drop")
+                await client.resume()
+                assert await client.is_paused() is True
+                assert await client.reset_prefix_cache() is True
+                assert await client.reload_weights("/w/iter_1") == [None]
+                await client.sleep(level=2)
+                await client.wake_up(tags=["weights", "kv_cache"])
+                assert await client.is_sleeping() is False
+                with pytest.raises(EngineControlError) as err:
+                    await client._call("broken", "POST", "/broken")
+                message = str(err.value)
+                assert "broken" in message and f"{url}/broken" in message and "HTTP 500" in message
+                assert "x" * 300 in message and "x" * 301 not in message
+            async with EngineControlClient("http://127.0.0.1:1", timeout_s=2) as dead:
+                assert await dead.health() is False
+                with pytest.raises(EngineControlError, match="no response"):
+                    await dead.resume()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert seen == [
+        ("GET", "/health", [], None),
+        ("POST", "/pause", [("mode", "keep")], None),
+        ("POST", "/pause", [("mode", "abort")], None),
+        ("POST", "/resume", [], None),
+        ("GET", "/is_paused", [], None),
+        ("POST", "/reset_prefix_cache", [], None),
+        (
+            "POST",
+            "/collective_rpc",
+            [],
+            {
+                "method": "reload_weights",
+                "args": [],
+                "kwargs": {"weights_path": "/w/iter_1", "is_checkpoint_format": True},
+            },
+        ),
+        ("POST", "/sleep", [("level", "2")], None),
+        ("POST", "/wake_up", [("tags", "weights"), ("tags", "kv_cache")], None),
+        ("GET", "/is_sleeping", [], None),
+        ("POST", "/broken", [], None),
+    ]

@@ -1,0 +1,330 @@
+"""FSDPTrainer in one process (world size 1, gloo on CPU, fp32): log-probs, the loss, invariances, checkpoints,
+HF export and weight buckets. The two-rank versions live in tests/e2e/test_fsdp_distributed.py."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from vime.backends.fsdp_utils.trainer import FSDPTrainer
+from vime.tools.make_tiny_model import build_tiny_model
+from vime.utils import ppo_utils
+from vime.utils.arguments import parse_args
+from vime.utils.train_data import normalize_advantages, shape_rewards
+from vime.utils.types import Sample, Status
+
+# (prompt length, response length) of 8 samples = 2 groups of 4
+SHAPES = [(3, 2), (5, 7), (1, 4), (8, 1), (2, 9), (4, 4), (6, 3), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("fsdp") / "model", seed=0, task=None)
+
+
+@pytest.fixture(scope="module")
+def base_args(model_dir) -> argparse.Namespace:
+    return parse_args(
+        [
+            "--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--num-rollout", "4",
+            "--lr", "1e-3", "--weight-decay", "0", "--micro-batch-size", "2",
+        ]
+    )  # fmt: skip
+
+
+def with_args(base: argparse.Namespace, **overrides) -> argparse.Namespace:
+    args = copy.deepcopy(base)
+    vars(args).update(overrides)
+    return args
+
+
+def make_samples(seed: int = 0, rewards=(1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0)) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, ((p, r), reward) in enumerate(zip(SHAPES, rewards, strict=True)):
+        tokens = torch.randint(4, 61, (p + r,), generator=g).tolist()
+        rollout_lp = (-torch.rand(r, generator=g)).tolist()
+        samples.append(
+            Sample(index=i, tokens=tokens, response_length=r, reward=reward, status=Status.COMPLETED,
+                   rollout_log_probs=rollout_lp)
+        )  # fmt: skip
+    return samples
+
+
+def groups_of(samples: list[Sample]) -> list[list[Sample]]:
+    return [samples[:4], samples[4:]]
+
+
+def full_params(trainer: FSDPTrainer) -> dict[str, torch.Tensor]:
+    return {name: t.cpu().clone() for bucket in trainer.iter_weight_buckets(1 << 30) for name, t in bucket}
+
+
+def hf_log_probs(model, s: Sample, temperature: float = 1.0) -> torch.Tensor:
+    logits = model(torch.tensor([s.tokens])).logits[0].float() / temperature
+    positions = torch.arange(s.prompt_length - 1, len(s.tokens) - 1)
+    return torch.log_softmax(logits, -1)[positions, torch.tensor(s.tokens[s.prompt_length :])]
+
+
+def assert_same_params(a: dict, b: dict, rtol: float = 0.0, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(
+            a[name], b[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ log-probs
+def test_packed_log_probs_equal_a_plain_transformers_forward(base_args, model_dir):
+    args = with_args(
+        base_args, micro_batch_size=8, rollout_temperature=0.7
+    )  # all 8 samples in one packed row
+    trainer = FSDPTrainer(args)
+    samples = make_samples()
+    got = trainer.compute_log_probs(samples)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for s, lp in zip(samples, got, strict=True):
+            assert lp.shape == (s.response_length,)
+            torch.testing.assert_close(lp, hf_log_probs(reference, s, 0.7), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------- the loss
+def test_all_zero_advantages_leave_the_parameters_unchanged(base_args):
+    args = with_args(base_args, lr=1e-2)
+    trainer = FSDPTrainer(args)
+    samples = make_samples(rewards=(1.0,) * 4 + (0.0,) * 4)  # equal rewards within each group
+    rewards = shape_rewards(args, groups_of(samples))
+    assert rewards == [0.0] * 8
+    before = full_params(trainer)
+    metrics = trainer.train(0, samples, rewards)
+    assert metrics["grad_norm"] == 0.0 and metrics["lr"] == 1e-2
+    for name, tensor in full_params(trainer).items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_training_raises_the_log_probs_of_positive_advantage_samples(base_args):
+    args = with_args(base_args, lr=1e-2)
+    trainer = FSDPTrainer(args)
+    samples = make_samples()
+    rewards = shape_rewards(args, groups_of(samples))
+    before = trainer.compute_log_probs(samples)
+    for k in range(3):  # three updates on the same batch
+        trainer.train(k, samples, rewards)
+    after = trainer.compute_log_probs(samples)
+    # the policy-gradient objective sum(A * mean log-prob) rises, and each sample moves the way its advantage says
+    gains = [r * (a.mean() - b.mean()).item() for r, a, b in zip(rewards, after, before, strict=True)]
+    assert sum(gains) > 0.1
+    assert all(g > 0 for g in gains), gains
+
+
+def test_micro_batching_does_not_change_the_update(base_args):
+    # Two optimizer steps per rollout (4 samples each), per-sample-mean and per-token loss. SGD, because Adam's
+    # first step is ~lr * sign(grad): it would turn fp32 rounding noise in near-zero gradients into lr-sized
+    # differences, while SGD shows the gradients themselves agree.
+    results = {}
+    for per_token in (False, True):
+        for name, overrides in {
+            "mbs1": dict(micro_batch_size=1),
+            "mbs4": dict(micro_batch_size=4),
+            "dynamic": dict(use_dynamic_batch_size=True, max_tokens_per_gpu=12),
+        }.items():
+            args = with_args(
+                base_args,
+                optimizer="sgd",
+                lr=0.1,
+                global_batch_size=4,
+                num_steps_per_rollout=2,
+                calculate_per_token_loss=per_token,
+                **overrides,
+            )
+            trainer = FSDPTrainer(args)
+            samples = make_samples()
+            metrics = trainer.train(0, samples, shape_rewards(args, groups_of(samples)))
+            results[per_token, name] = (full_params(trainer), metrics)
+        reference, ref_metrics = results[per_token, "mbs1"]
+        for name in ("mbs4", "dynamic"):
+            params, metrics = results[per_token, name]
+            assert_same_params(reference, params, rtol=1e-6, atol=1e-8)  # fp32 rounding of the sums
+            assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
+            assert metrics["entropy"] == pytest.approx(ref_metrics["entropy"], rel=1e-5)
+    moved = max((results[False, "mbs1"][0][k] - results[True, "mbs1"][0][k]).abs().max() for k in reference)
+    assert moved > 1e-4  # the two reductions are different losses, so the test can tell them apart
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+def test_resume_continues_bit_for_bit(base_args, tmp_path):
+    args = with_args(
+        base_args, lr_decay_style="cosine", lr_warmup_iters=1, min_lr=1e-4, use_kl_loss=True, kl_loss_coef=0.1,
+        save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"),
+    )  # fmt: skip
+    samples = make_samples()
+    rewards = shape_rewards(args, groups_of(samples))
+    first = FSDPTrainer(args)
+    assert first.load() is None  # empty --load: start from --hf-checkpoint
+    first.train(0, samples, rewards)
+    first.save(0, args.save)
+    expected_rng = (torch.rand(3), random.random(), np.random.rand())
+    after_save = full_params(first)
+    first_metrics = first.train(1, samples, rewards)
+    uninterrupted = full_params(first)
+
+    resumed = FSDPTrainer(args)
+    assert resumed.load() == 0
+    assert (torch.rand(3), random.random(), np.random.rand())[1:] == expected_rng[1:]
+    assert resumed.step == 1
+    assert_same_params(after_save, full_params(resumed), atol=0)
+    resumed_metrics = resumed.train(1, samples, rewards)
+    assert resumed_metrics["lr"] == first_metrics["lr"]
+    assert_same_params(uninterrupted, full_params(resumed), atol=0)
+    assert (Path(args.save) / "latest_checkpointed_iteration.txt").read_text() == "0"
+
+
+def test_empty_load_falls_back_to_ref_load(base_args, tmp_path):
+    trained = FSDPTrainer(base_args)
+    samples = make_samples()
+    trained.train(0, samples, shape_rewards(base_args, groups_of(samples)))
+    trained.save(0, str(tmp_path / "ckpt"))
+    trained.export_hf(str(tmp_path / "hf"))
+    expected = full_params(trained)
+    for ref_load in ("ckpt", "hf"):  # a vime checkpoint or an HF directory
+        args = with_args(
+            base_args, load=str(tmp_path / "empty"), ref_load=str(tmp_path / ref_load), use_kl_loss=True
+        )
+        trainer = FSDPTrainer(args)
+        assert trainer.load() is None
+        assert_same_params(expected, full_params(trainer))
+        policy, reference = trainer.compute_log_probs(samples), trainer.compute_log_probs(samples, "ref")
+        assert all(torch.equal(a, b) for a, b in zip(policy, reference, strict=True))
+
+
+def test_export_hf_and_weight_buckets(base_args, model_dir, tmp_path):
+    trainer = FSDPTrainer(base_args)
+    samples = make_samples()
+    trainer.train(0, samples, shape_rewards(base_args, groups_of(samples)))
+    out = tmp_path / "hf"
+    trainer.export_hf(str(out))
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(out).encode("12+3=") == AutoTokenizer.from_pretrained(
+        model_dir
+    ).encode("12+3=")
+    weights = full_params(trainer)
+    for name, tensor in exported.state_dict().items():
+        key = "model.embed_tokens.weight" if name == "lm_head.weight" else name  # tied
+        assert torch.equal(tensor, weights[key]), name
+
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        hf_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    limit = 40_000  # bytes; the 61x128 fp32 embedding (31 KB) fits, two of the 128x256 MLP weights do not
+    buckets = list(trainer.iter_weight_buckets(limit))
+    names = [name for bucket in buckets for name, _ in bucket]
+    assert sorted(names) == sorted(hf_shapes) and len(names) == len(set(names))
+    for bucket in buckets:
+        assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= limit
+        for name, tensor in bucket:
+            assert tuple(tensor.shape) == hf_shapes[name]
+    assert len(buckets) > 1
+
+
+# ------------------------------------------------------------------------------------------ other paths
+def test_kl_loss_reference_model_and_rollout_metrics(base_args):
+    args = with_args(base_args, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3", use_tis=True, lr=1e-2)
+    trainer = FSDPTrainer(args)
+    samples = make_samples()
+    rewards = shape_rewards(args, groups_of(samples))
+    old = trainer.compute_log_probs(samples)
+    diffs = [(lp - torch.tensor(s.rollout_log_probs)).abs() for s, lp in zip(samples, old, strict=True)]
+    first = trainer.train(0, samples, rewards)
+    assert first["train_rollout_logprob_abs_diff"] == pytest.approx(
+        sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs), rel=1e-6
+    )
+    assert first["kl_loss"] == 0.0  # the policy is still the reference
+    assert 0.0 <= first["tis_clipfrac"] <= 1.0 and first["tis_weight"] > 0
+    second = trainer.train(1, samples, rewards)
+    assert second["kl_loss"] > 0.0
+    reference = trainer.compute_log_probs(samples, model="ref")
+    assert all(torch.equal(a, b) for a, b in zip(reference, old, strict=True))  # the reference stays frozen
+
+
+def test_untrainable_samples_do_not_affect_the_update(base_args):
+    # FAILED and remove_sample samples keep their place in the batch, but their tokens and rewards do not matter
+    args = with_args(base_args, lr=1e-2)
+    updated = []
+    for seed in (0, 1):  # same lengths, different tokens and rewards in the untrainable samples
+        samples = make_samples(seed=seed)
+        for s in samples[:3]:
+            s.remove_sample = True
+        samples[3].mark_failed("reward timeout")
+        kept = make_samples(seed=0)[4:]
+        samples[4:] = kept
+        rewards = shape_rewards(args, groups_of(samples))
+        assert rewards[:4] == [0.0] * 4
+        rewards[:4] = [3.0 - 6.0 * seed] * 4  # even a non-zero reward must not move the policy through them
+        trainer = FSDPTrainer(args)
+        metrics = trainer.train(0, samples, rewards)
+        assert metrics["grad_norm"] > 0
+        updated.append(full_params(trainer))
+    assert_same_params(updated[0], updated[1], atol=0)
+
+
+def test_critic_learns_the_returns(base_args):
+    args = with_args(base_args, advantage_estimator="ppo", critic_lr=1e-3, value_clip=None)
+    critic = FSDPTrainer(args, role="critic")
+    samples = make_samples()
+    rewards = shape_rewards(args, groups_of(samples))
+    values = critic.compute_values(samples)
+    assert [v.shape[0] for v in values] == [s.response_length for s in samples]
+    losses = [critic.train(k, samples, rewards)["value_loss"] for k in range(4)]
+    assert losses[-1] < 0.5 * losses[0]
+
+    actor = FSDPTrainer(args)
+    with pytest.raises(ValueError, match="critic"):
+        actor.train(0, samples, rewards)
+    metrics = actor.train(0, samples, rewards, values=critic.compute_values(samples))
+    assert metrics["grad_norm"] > 0
+
+
+def custom_advantages(args, samples, rewards, log_probs, ref_log_probs, values):
+    """Test hook: advantage +1 on every token of the first sample, 0 elsewhere."""
+    return [torch.full((s.response_length,), float(i == 0)) for i, s in enumerate(samples)]
+
+
+def custom_loss(args, batch, log_probs, entropy):
+    """Test hook: the default loss with the reduction helper, plus a metric."""
+    pg_losses, _ = ppo_utils.compute_policy_loss(
+        batch["old_log_probs"] - log_probs, batch["advantages"], args.eps_clip, args.eps_clip_high
+    )
+    loss = batch["reduce"](pg_losses)
+    return loss, {"loss": loss.detach(), "custom_metric": batch["reduce"](torch.ones_like(log_probs))}
+
+
+def test_custom_loss_and_advantage_hooks(base_args):
+    args = with_args(
+        base_args,
+        lr=1e-2,
+        custom_loss_function_path="test_fsdp_trainer.custom_loss",
+        custom_advantage_function_path="test_fsdp_trainer.custom_advantages",
+    )
+    trainer = FSDPTrainer(args)
+    samples = make_samples()
+    before = trainer.compute_log_probs(samples)
+    metrics = trainer.train(0, samples, [0.0] * 8)
+    assert metrics["custom_metric"] == pytest.approx(1.0)  # the per-sample mean of ones over the global batch
+    after = trainer.compute_log_probs(samples)
+    assert after[0].mean() > before[0].mean()
+
+
+def test_normalize_advantages_single_rank_matches_masked_whiten():
+    advantages = [torch.tensor([1.0, 2.0]), torch.tensor([0.0, 5.0, -1.0])]
+    masks = [torch.ones(2), torch.tensor([1.0, 0.0, 1.0])]
+    got = normalize_advantages(advantages, masks)
+    expected = ppo_utils.masked_whiten(torch.cat(advantages), torch.cat(masks)) * torch.cat(masks)
+    torch.testing.assert_close(torch.cat(got), expected)

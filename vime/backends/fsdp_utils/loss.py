@@ -1,0 +1,107 @@
+"""Per-micro-batch losses: the policy loss (also the signature of ``--custom-loss-function-path``) and the
+critic's value loss. Pure tensor code on packed responses, built from ``vime.utils.ppo_utils``.
+
+Micro-batching invariance: every per-token quantity is reduced with ``batch["reduce"]``, which divides by counts
+of the *global* batch (all micro-batches of the optimizer step on all data-parallel ranks). So the loss and
+metrics of a micro-batch are its share of the global value, and summing them over micro-batches and ranks
+(gradients included) gives exactly the loss of the whole global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vime.utils import ppo_utils
+
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def make_reducer(
+    loss_mask: torch.Tensor,
+    response_lengths: list[int],
+    calculate_per_token_loss: bool,
+    global_num_samples: int,
+    global_num_tokens: int,
+) -> Reducer:
+    """``reduce(per_token) -> scalar``: this micro-batch's share of the global loss (``ppo_utils.reduce_token_loss``:
+    per-sample token mean / global samples, or with ``--calculate-per-token-loss`` token sum / global tokens)."""
+    num_tokens = max(global_num_tokens, 1)  # a batch of only removed samples has no tokens and a zero loss
+
+    def reduce(per_token: torch.Tensor) -> torch.Tensor:
+        return ppo_utils.reduce_token_loss(
+            per_token, loss_mask, response_lengths, calculate_per_token_loss, global_num_samples, num_tokens
+        )
+
+    return reduce
+
+
+def policy_loss(
+    args: argparse.Namespace, batch: dict[str, Any], log_probs: torch.Tensor, entropy: torch.Tensor | None
+) -> LossOutput:
+    """The actor's loss for one packed micro-batch (DESIGN.md §6); ``--custom-loss-function-path`` replaces it and
+    is called the same way.
+
+    ``batch`` (1-D tensors run over the packed response tokens, ``N = sum(response_lengths)``):
+      ``response_lengths`` list[int]; ``loss_mask`` [N] float (0 for FAILED / removed samples);
+      ``advantages`` [N]; ``old_log_probs`` [N]; ``ref_log_probs`` [N] or None (no reference model);
+      ``rollout_log_probs`` [N] or None (engine did not return them); ``reduce``: the :data:`Reducer`.
+    ``log_probs`` [N]: the current policy's log-probs, with grad. ``entropy`` [N] or None: the entropy of each
+    predicting distribution (with grad when ``--entropy-coef`` is non-zero or a custom loss is set).
+
+    Returns ``(loss, metrics)``: the scalar loss already reduced with ``batch["reduce"]`` (the trainer calls
+    ``backward`` on it), and scalar metrics reduced the same way (the trainer sums them over micro-batches and
+    ranks, which gives their global mean).
+    """
+    reduce = batch["reduce"]
+    old_log_probs, lengths = batch["old_log_probs"], batch["response_lengths"]
+    if args.advantage_estimator == "gspo":
+        ppo_kl = ppo_utils.compute_gspo_kl(
+            list(log_probs.split(lengths)),
+            list(old_log_probs.split(lengths)),
+            list(batch["loss_mask"].split(lengths)),
+        )
+    else:
+        ppo_kl = old_log_probs - log_probs
+    pg_losses, clipfrac = ppo_utils.compute_policy_loss(
+        ppo_kl, batch["advantages"], args.eps_clip, args.eps_clip_high, args.eps_clip_c
+    )
+    metrics: dict[str, torch.Tensor] = {}
+    if args.use_tis:
+        rollout = batch["rollout_log_probs"]
+        weights = ppo_utils.compute_tis_weights(old_log_probs, rollout, args.tis_clip_low, args.tis_clip)
+        raw = ppo_utils.compute_tis_weights(old_log_probs, rollout, 0.0, float("inf"))
+        pg_losses = pg_losses * weights
+        metrics["tis_weight"] = reduce(weights)
+        metrics["tis_clipfrac"] = reduce((weights != raw).float())
+    pg_loss = reduce(pg_losses)
+    loss = pg_loss
+    metrics.update(pg_loss=pg_loss.detach(), pg_clipfrac=reduce(clipfrac), ppo_kl=reduce(ppo_kl.detach()))
+    if entropy is not None:
+        entropy_mean = reduce(entropy)
+        if args.entropy_coef:
+            loss = loss - args.entropy_coef * entropy_mean
+        metrics["entropy"] = entropy_mean.detach()
+    kl_loss = torch.zeros((), device=log_probs.device)
+    if batch["ref_log_probs"] is not None:
+        kl_loss = reduce(ppo_utils.compute_approx_kl(log_probs, batch["ref_log_probs"], args.kl_loss_type))
+        if args.use_kl_loss:
+            loss = loss + args.kl_loss_coef * kl_loss
+    metrics["kl_loss"] = kl_loss.detach()
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def value_loss(args: argparse.Namespace, batch: dict[str, Any], values: torch.Tensor) -> LossOutput:
+    """The critic's clipped value loss (``--value-clip``) for one packed micro-batch; ``batch`` holds
+    ``old_values``, ``returns``, ``loss_mask``, ``response_lengths`` and ``reduce`` as for :func:`policy_loss`."""
+    reduce = batch["reduce"]
+    losses, clipfrac = ppo_utils.compute_value_loss(
+        values, batch["old_values"], batch["returns"], args.value_clip
+    )
+    loss = reduce(losses)
+    return loss, {"loss": loss.detach(), "value_loss": loss.detach(), "value_clipfrac": reduce(clipfrac)}

@@ -1,0 +1,83 @@
+"""Build Hugging Face models for training and shard them with FSDP2 (``fully_shard``).
+
+Every rank loads the full HF checkpoint on the CPU, then ``fully_shard`` keeps and moves to the device only this
+rank's shard of each parameter. Each decoder layer (the classes in ``model._no_split_modules``) is its own FSDP
+unit, so only one layer's full weights are gathered at a time; the root unit holds embeddings, final norm and
+head. Master weights stay fp32; ``--bf16`` computes in bf16 (FSDP2 mixed precision) and reduces grads in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+# sdpa runs on CPU and GPU, and transformers builds a block-diagonal causal mask for it from position_ids that
+# restart at 0 (masking_utils.find_packed_sequence_indices): packed samples never attend to each other.
+ATTN_IMPLEMENTATION = "sdpa"
+ROLES = ("actor", "critic")
+
+
+def compute_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The forward/backward dtype: bf16 with ``--bf16``, else fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float32
+
+
+def load_hf_model(path: str, role: str) -> nn.Module:
+    """Load an HF checkpoint in fp32 on the CPU: a causal LM for the actor, a one-label token classifier (a value
+    head on the same backbone, newly initialised when ``path`` is a policy) for the critic.
+
+    Dropout is switched off: the PPO ratio of an unchanged policy must be exactly 1, and the old log-probs are
+    computed without dropout.
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    config = AutoConfig.from_pretrained(path)
+    for key, value in config.to_dict().items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    if role == "critic":
+        config.num_labels = 1
+        config.classifier_dropout = 0.0  # GenericForTokenClassification falls back to p=0.1 otherwise
+        cls = AutoModelForTokenClassification
+    else:
+        cls = AutoModelForCausalLM
+    model = cls.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+    )
+    # Recorded before fully_shard renames the class (FSDP<Name>), so an HF export names the right architecture.
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Module:
+    """Apply FSDP2: one unit per decoder layer plus the root; optional activation checkpointing."""
+    if args.gradient_checkpointing:
+        # Non-reentrant checkpointing is the variant that composes with FSDP2's hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype(args), reduce_dtype=torch.float32)
+    layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} lists no decoder-layer classes in _no_split_modules; cannot shard it per layer"
+        )
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
+
+
+def build_model(
+    path: str, role: str, mesh: DeviceMesh, args: argparse.Namespace, trainable: bool = True
+) -> nn.Module:
+    """Load ``path`` for ``role`` and shard it; a frozen model (reference, teacher) has no grads and runs in
+    eval mode."""
+    model = shard_model(load_hf_model(path, role), mesh, args)
+    model.train(trainable)
+    model.requires_grad_(trainable)
+    return model

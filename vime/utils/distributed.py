@@ -1,0 +1,88 @@
+"""torch.distributed set-up and small collectives for the training backends.
+
+The process-group backend is chosen here and only here: NCCL when CUDA is available, else gloo, so CPU and GPU
+runs share one code path (STYLE.md).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from vime.utils.misc import free_port
+
+
+def backend() -> str:
+    """The torch.distributed backend for this machine: ``nccl`` with CUDA, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its current CUDA device, or the CPU."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def init_distributed(timeout_minutes: int = 10) -> None:
+    """Initialise the default process group from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``.
+
+    Does nothing when a group already exists. Without ``WORLD_SIZE`` in the environment this is a
+    single-process group on a free local port, so a trainer also runs in a notebook or a unit test. With CUDA,
+    the rank's device is ``LOCAL_RANK`` (default: rank modulo the visible GPUs).
+    """
+    if dist.is_initialized():
+        return
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun or set them"
+        )
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT") or str(free_port())
+    device_id = None
+    if torch.cuda.is_available():
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(
+        backend(),
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=timeout_minutes),
+        device_id=device_id,
+    )
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a list of floats over all ranks (one collective, in float64 so counts stay exact)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def all_reduce_max(values: list[int]) -> list[int]:
+    """Element-wise maximum of a list of ints over all ranks (one collective)."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def all_gather_1d(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Gather a 1-D tensor whose length may differ per rank; returns every rank's tensor, in rank order."""
+    local = tensor.to(device())
+    lengths = [torch.zeros(1, dtype=torch.int64, device=local.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, torch.tensor([local.numel()], dtype=torch.int64, device=local.device))
+    sizes = [int(n.item()) for n in lengths]
+    # all_gather needs equal shapes: pad to the longest, then cut each back.
+    padded = local.new_zeros(max(sizes))
+    padded[: local.numel()] = local
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [g[:n].to(tensor.device) for g, n in zip(gathered, sizes, strict=True)]

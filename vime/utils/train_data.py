@@ -1,0 +1,291 @@
+"""Backend-neutral preparation of a rollout for training (shared by the FSDP and Megatron trainers).
+
+The driver shapes the rewards of the whole rollout (:func:`shape_rewards`) and splits it into per-data-parallel
+rank partitions (:func:`split_rollout`); each rank groups its partition into micro-batches
+(:func:`fixed_micro_batches` / :func:`dynamic_micro_batches`), packs each micro-batch into one flat row
+(:func:`pack_samples`) and turns rewards into per-token advantages (:func:`compute_advantages_and_returns`).
+
+Samples that do not train: a FAILED sample or one with ``remove_sample=True`` keeps its place in the batch (it
+counts in the number of samples the per-sample-mean loss divides by, on every rank the same way) but its loss
+mask is all zeros (:func:`loss_mask_of`), so it adds nothing to the loss, the token counts or the gradient; its
+shaped reward is 0 and it is left out of its group's mean and std.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vime.utils import ppo_utils
+from vime.utils.distributed import all_gather_1d
+from vime.utils.types import Sample, Status
+
+GROUP_BASELINE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+
+
+def is_trainable(sample: Sample) -> bool:
+    """Whether a sample contributes to the loss (not FAILED, not ``remove_sample``)."""
+    return sample.status != Status.FAILED and not sample.remove_sample
+
+
+def loss_mask_of(sample: Sample) -> torch.Tensor:
+    """The float loss mask over the response: ``sample.loss_mask`` (all ones if None), zeros if not trainable."""
+    if sample.loss_mask is not None and len(sample.loss_mask) != sample.response_length:
+        raise ValueError(
+            f"sample {sample.index}: len(loss_mask)={len(sample.loss_mask)} != response_length="
+            f"{sample.response_length}; the loss mask covers the response tokens only"
+        )
+    if not is_trainable(sample):
+        return torch.zeros(sample.response_length)
+    if sample.loss_mask is None:
+        return torch.ones(sample.response_length)
+    return torch.tensor(sample.loss_mask, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------- reward shaping
+def shape_rewards(args: argparse.Namespace, groups: list[list[Sample]]) -> list[float]:
+    """The training reward of every sample, flattened group by group (DESIGN.md §6).
+
+    grpo / gspo / reinforce_plus_plus_baseline: ``r − mean(group)``, and for grpo/gspo ``/ (std + 1e-6)`` unless
+    ``--disable-grpo-std-normalization``; the statistics use the group's trainable samples only (a FAILED
+    sample has no meaningful reward). A group with fewer than two trainable samples has no baseline to compare
+    against, so its samples get 0. ppo / reinforce_plus_plus: the raw reward. Untrainable samples get 0.
+    Dict rewards are read with ``--reward-key``.
+    """
+    grouped = args.advantage_estimator in GROUP_BASELINE_ESTIMATORS
+    normalize_std = args.advantage_estimator in ("grpo", "gspo") and not args.disable_grpo_std_normalization
+    shaped: list[float] = []
+    for group in groups:
+        out = [0.0] * len(group)
+        trainable = [i for i, s in enumerate(group) if is_trainable(s)]
+        rewards = [group[i].reward_value(args.reward_key) for i in trainable]
+        if grouped and len(trainable) >= 2:
+            rewards = ppo_utils.normalize_group_rewards(
+                torch.tensor(rewards), len(trainable), normalize_std=normalize_std
+            ).tolist()
+        if grouped and len(trainable) < 2:
+            rewards = [0.0] * len(trainable)
+        for i, r in zip(trainable, rewards, strict=True):
+            out[i] = float(r)
+        shaped.extend(out)
+    return shaped
+
+
+# ---------------------------------------------------------------------------------------------- partitioning
+def balanced_partitions(lengths: list[int], num_partitions: int, equal_size: bool) -> list[list[int]]:
+    """Split indices ``0..len(lengths)-1`` into ``num_partitions`` parts with near-equal token sums.
+
+    Greedy longest-first: each item (longest first) goes to the part with the fewest tokens so far, among the
+    parts that are not full when ``equal_size`` (then ``len(lengths)`` must divide evenly). Every part is
+    non-empty when ``num_partitions <= len(lengths)``. Indices inside a part are ascending.
+    """
+    n = len(lengths)
+    if num_partitions < 1 or (equal_size and n % num_partitions):
+        raise ValueError(f"cannot split {n} items into {num_partitions} equal parts")
+    capacity = n // num_partitions if equal_size else n
+    parts: list[list[int]] = [[] for _ in range(num_partitions)]
+    loads = [0] * num_partitions
+    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        open_parts = [p for p in range(num_partitions) if len(parts[p]) < capacity]
+        p = min(open_parts, key=lambda p: (loads[p], len(parts[p]), p))
+        parts[p].append(i)
+        loads[p] += lengths[i]
+    return [sorted(part) for part in parts]
+
+
+def split_rollout(lengths: list[int], dp_size: int, global_batch_size: int) -> list[list[int]]:
+    """Indices of the rollout's samples for each data-parallel rank.
+
+    The rollout (``lengths[i]`` = total tokens of sample ``i``, in rollout order) is cut into optimizer steps of
+    ``global_batch_size`` consecutive samples; each step is split into ``dp_size`` equal-sized parts balanced by
+    tokens, and rank ``r`` gets its part of every step, step after step. So each rank holds the same number of
+    samples, and a trainer that cuts its partition into ``len // num_steps`` consecutive chunks trains each step on
+    exactly the same global batch whatever ``dp_size`` is.
+    """
+    n = len(lengths)
+    if n % global_batch_size or global_batch_size % dp_size:
+        raise ValueError(
+            f"{n} samples do not split into steps of --global-batch-size {global_batch_size} and then into "
+            f"{dp_size} data-parallel ranks; make the rollout size a multiple of the global batch size, and that "
+            "a multiple of the number of training ranks"
+        )
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    for start in range(0, n, global_batch_size):
+        step = lengths[start : start + global_batch_size]
+        for r, part in enumerate(balanced_partitions(step, dp_size, equal_size=True)):
+            ranks[r].extend(start + i for i in part)
+    return ranks
+
+
+# ---------------------------------------------------------------------------------------------- micro-batches
+def fixed_micro_batches(num_samples: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive micro-batches of ``micro_batch_size`` samples (the last may be shorter)."""
+    return [
+        list(range(i, min(i + micro_batch_size, num_samples)))
+        for i in range(0, num_samples, micro_batch_size)
+    ]
+
+
+def _first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:  # also the home of a sample longer than max_tokens, which cannot be split
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def min_micro_batches(lengths: list[int], max_tokens: int) -> int:
+    """How many micro-batches of at most ``max_tokens`` tokens these samples need (first-fit decreasing).
+
+    With data parallelism every rank must run the same number of forward/backward passes (FSDP collectives):
+    take the maximum of this over ranks and pass it to :func:`dynamic_micro_batches`.
+    """
+    return len(_first_fit_decreasing(lengths, max_tokens))
+
+
+def dynamic_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: int) -> list[list[int]]:
+    """Exactly ``num_micro_batches`` non-empty micro-batches of at most ``max_tokens`` tokens each, balanced by
+    tokens. A sample longer than ``max_tokens`` sits alone in its micro-batch.
+
+    Needs ``min_micro_batches(lengths, max_tokens) <= num_micro_batches <= len(lengths)``. Tries the balanced
+    greedy split first; if that breaks the budget, takes the first-fit-decreasing bins and splits the fullest
+    multi-sample bin in two until there are enough (splitting never breaks the budget).
+    """
+    if not min_micro_batches(lengths, max_tokens) <= num_micro_batches <= len(lengths):
+        raise ValueError(
+            f"cannot make {num_micro_batches} micro-batches of <= {max_tokens} tokens from {len(lengths)} samples"
+        )
+
+    def tokens(b: list[int]) -> int:
+        return sum(lengths[i] for i in b)
+
+    bins = balanced_partitions(lengths, num_micro_batches, equal_size=False)
+    if any(len(b) > 1 and tokens(b) > max_tokens for b in bins):
+        bins = _first_fit_decreasing(lengths, max_tokens)
+        while len(bins) < num_micro_batches:
+            fullest = max((b for b in bins if len(b) > 1), key=tokens)
+            bins.remove(fullest)
+            halves = balanced_partitions([lengths[i] for i in fullest], 2, equal_size=False)
+            bins.extend([fullest[j] for j in half] for half in halves)
+    return sorted(sorted(b) for b in bins)
+
+
+# ----------------------------------------------------------------------------------------------------- packing
+@dataclass
+class PackedBatch:
+    """Samples concatenated into one row with no padding; attention must not cross sample boundaries.
+
+    ``position_ids`` restart at 0 for every sample (that is how the model tells the samples apart).
+    """
+
+    input_ids: torch.Tensor  # [T] int64, all samples' prompt + response tokens
+    position_ids: torch.Tensor  # [T] int64
+    total_lengths: list[int]  # tokens per sample
+    response_lengths: list[int]  # response tokens per sample (the last ones of each sample)
+
+    def response_spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each sample's response tokens in the row."""
+        spans, offset = [], 0
+        for total, response in zip(self.total_lengths, self.response_lengths, strict=True):
+            offset += total
+            spans.append((offset - response, offset))
+        return spans
+
+    def logit_indices(self) -> torch.Tensor:
+        """Row positions whose outputs predict the response tokens (each span shifted left by one), concatenated
+        over samples; ``input_ids[logit_indices() + 1]`` are the response tokens."""
+        return torch.cat([torch.arange(s - 1, e - 1) for s, e in self.response_spans()])
+
+
+def pack_samples(samples: list[Sample]) -> PackedBatch:
+    """Pack samples into one :class:`PackedBatch` (every response needs at least one prompt token before it)."""
+    for s in samples:
+        if s.response_length > 0 and s.prompt_length < 1:
+            raise ValueError(
+                f"sample {s.index}: response_length={s.response_length} with {len(s.tokens)} tokens leaves no "
+                "prompt token to predict the first response token from"
+            )
+    lengths = [len(s.tokens) for s in samples]
+    return PackedBatch(
+        input_ids=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
+        position_ids=torch.cat([torch.arange(n) for n in lengths]),
+        total_lengths=lengths,
+        response_lengths=[s.response_length for s in samples],
+    )
+
+
+# ------------------------------------------------------------------------------------ advantages and returns
+def compute_advantages_and_returns(
+    args: argparse.Namespace,
+    rewards: list[float],
+    loss_masks: list[torch.Tensor],
+    log_probs: list[torch.Tensor] | None,
+    ref_log_probs: list[torch.Tensor] | None,
+    values: list[torch.Tensor] | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-token advantages and returns for each sample, by ``--advantage-estimator`` (DESIGN.md §6).
+
+    ``rewards`` are already shaped (:func:`shape_rewards`). The KL in token rewards (ppo, reinforce++ and its
+    baseline variant) is ``compute_approx_kl(log_probs, ref_log_probs, --kl-loss-type)`` scaled by
+    ``--kl-coef``; it is zero without a reference or with ``--kl-coef 0``. ppo needs ``values``; the
+    returns are the critic's targets (for the other estimators they equal the advantages).
+    """
+    r = torch.tensor(rewards, dtype=torch.float32)
+    if args.kl_coef != 0 and log_probs is not None and ref_log_probs is not None:
+        kl = [
+            ppo_utils.compute_approx_kl(lp, ref, args.kl_loss_type)
+            for lp, ref in zip(log_probs, ref_log_probs, strict=True)
+        ]
+    else:
+        kl = [torch.zeros_like(m) for m in loss_masks]
+    estimator = args.advantage_estimator
+    if estimator in ("grpo", "gspo"):
+        advantages = ppo_utils.get_grpo_returns(r, kl)
+    elif estimator == "reinforce_plus_plus":
+        advantages = ppo_utils.get_reinforce_plus_plus_returns(r, kl, loss_masks, args.kl_coef, args.gamma)
+    elif estimator == "reinforce_plus_plus_baseline":
+        advantages = ppo_utils.get_reinforce_plus_plus_baseline_advantages(r, kl, loss_masks, args.kl_coef)
+    elif estimator == "ppo":
+        if values is None:
+            raise ValueError(
+                "--advantage-estimator ppo needs the critic's values (critic.compute_values(samples))"
+            )
+        pairs = [
+            ppo_utils.get_advantages_and_returns(
+                v, ppo_utils.compute_token_rewards(ri, k, m, args.kl_coef), m, args.gamma, args.lambd
+            )
+            for ri, k, m, v in zip(r, kl, loss_masks, values, strict=True)
+        ]
+        return [a for a, _ in pairs], [ret for _, ret in pairs]
+    else:
+        raise ValueError(f"unknown --advantage-estimator {estimator!r}")
+    return advantages, advantages
+
+
+def normalize_advantages(
+    advantages: list[torch.Tensor], loss_masks: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``--normalize-advantages``: masked whitening over the whole data-parallel batch (a collective).
+
+    Every rank gathers all ranks' advantages and masks, whitens the concatenation with
+    ``ppo_utils.masked_whiten`` and keeps its own slice, so the result does not depend on the partitioning.
+    """
+    lengths = [a.numel() for a in advantages]
+    local_adv = torch.cat(advantages) if advantages else torch.zeros(0)
+    local_mask = torch.cat(loss_masks) if loss_masks else torch.zeros(0)
+    all_adv, all_mask = all_gather_1d(local_adv.float()), all_gather_1d(local_mask.float())
+    rank = dist.get_rank()
+    offset = sum(a.numel() for a in all_adv[:rank])
+    whitened = ppo_utils.masked_whiten(torch.cat(all_adv), torch.cat(all_mask))
+    mine = whitened[offset : offset + local_adv.numel()] * local_mask  # untrained tokens keep advantage 0
+    return list(mine.split(lengths))
