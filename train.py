@@ -1,50 +1,81 @@
-"""vime's synchronous RL loop (DESIGN.md §4). Today: the rollout side (``--debug-rollout-only``).
-
-The trainer side (Ray placement, FSDP2/Megatron actor, weight sync) lands with the loop issue; until then a
-run without ``--debug-rollout-only`` stops with a message saying so.
-"""
+"""vime's synchronous RL loop (DESIGN.md §4): generate, train, save, push weights, evaluate."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
-from vime.rollout.rollout_manager import RolloutManager
+import ray
+
+from vime.ray.placement_group import create_placement_groups
+from vime.ray.rollout_manager import create_rollout_manager
+from vime.ray.train_group import RayTrainGroup
 from vime.utils.arguments import parse_args
+from vime.utils.tracking import Tracker
+
+WORKER_EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
+
+
+def run_dir(args) -> Path:
+    return Path(
+        args.log_dir or (Path(args.save) / "logs" if args.save else f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    )
 
 
 def main(args) -> None:
-    if not args.debug_rollout_only:
-        raise SystemExit(
-            "train.py: the training loop (trainer, weight sync) is not implemented yet; "
-            "run with --debug-rollout-only to exercise engines, router, rollout, rewards and eval"
-        )
-    log_dir = Path(args.log_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    manager = RolloutManager(args, log_dir)
+    ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+    log_dir = run_dir(args)
+    tracker = Tracker(args, log_dir)
+    pgs = create_placement_groups(args)
+    manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION)
     try:
-        manager.start()
-        if args.num_rollout is None:
-            args.num_rollout = args.num_epoch * manager.data_source.num_rollout_per_epoch
-            if not args.num_rollout:
-                raise SystemExit(
-                    f"--num-epoch {args.num_epoch}: the {len(manager.data_source.dataset)} prompts make no full "
-                    f"batch of --rollout-batch-size {args.rollout_batch_size}; lower it or use --num-rollout"
-                )
-        for rollout_id in range(args.num_rollout):
+        actor = None if args.debug_rollout_only else RayTrainGroup(args, pgs["actor"])
+        last = actor.load() if actor else None
+        start_rollout_id = 0 if last is None else last + 1
+        if last is not None:
+            ray.get(manager.load.remote(last, args.load))
+        args.num_rollout = num_rollout = args.num_rollout or args.num_epoch * ray.get(
+            manager.num_rollout_per_epoch.remote()
+        )
+        weight_version = 0
+        sync_dir = args.update_weight_dir or str(log_dir / "weight_sync")  # used by the disk transport
+        engine_urls = ray.get(manager.engine_urls.remote())
+        if actor:
+            weight_version += 1
+            actor.sync_weights(engine_urls, weight_version, sync_dir)
+            ray.get(manager.set_weight_version.remote(weight_version))
+        for rollout_id in range(start_rollout_id, num_rollout):
             if args.eval_interval and rollout_id % args.eval_interval == 0:
-                print(f"[eval {rollout_id}] {manager.eval(rollout_id).metrics}")
-            output = manager.generate(rollout_id)
-            metrics = output.metrics or {}
-            print(
-                f"[rollout {rollout_id}] reward {metrics.get('rollout/reward_mean', float('nan')):.3f} "
-                f"len {metrics.get('rollout/response_length_mean', float('nan')):.1f} "
-                f"time {metrics.get('rollout/time_s', float('nan')):.1f}s"
-            )
+                tracker.log_eval(rollout_id, ray.get(manager.eval.remote(rollout_id)).metrics)
+            started = time.monotonic()
+            output = ray.get(manager.generate.remote(rollout_id))
+            metrics = {**(output.metrics or {}), "time/rollout_s": time.monotonic() - started}
+            if actor:
+                started = time.monotonic()
+                metrics |= {f"train/{k}": v for k, v in actor.train(rollout_id, output.samples).items()}
+                metrics["time/train_s"] = time.monotonic() - started
             if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
-                manager.save(rollout_id, args.save)
+                if actor:
+                    actor.save(rollout_id, args.save)
+                ray.get(manager.save.remote(rollout_id, args.save))
+            if actor:
+                started = time.monotonic()
+                weight_version += 1
+                metrics |= actor.sync_weights(engine_urls, weight_version, sync_dir)
+                ray.get(manager.set_weight_version.remote(weight_version))
+                metrics["time/sync_s"] = time.monotonic() - started
+            tracker.log(rollout_id, metrics)
+        if args.eval_interval:
+            tracker.log_eval(num_rollout, ray.get(manager.eval.remote(num_rollout)).metrics)
     finally:
-        manager.shutdown()
+        ray.get(manager.shutdown.remote())
+        tracker.close()
+        ray.shutdown()
+    print(
+        f"[vime] metrics: {log_dir / 'metrics.jsonl'}" + (f" | checkpoints: {args.save}" if args.save else "")
+    )
 
 
 if __name__ == "__main__":

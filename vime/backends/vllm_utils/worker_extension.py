@@ -1,0 +1,116 @@
+"""vLLM worker extension for the ``distributed`` weight-sync transport (DESIGN.md §5), and the weight process
+group both sides build.
+
+Start engines with ``--worker-extension-cls vime.backends.vllm_utils.worker_extension.VimeWorkerExtension``;
+vLLM mixes the class into every worker, so its methods run on each worker through ``POST /collective_rpc``
+(``self`` is the vLLM worker: ``self.rank``, ``self.reload_weights``). vLLM passes the JSON
+body's ``args``/``kwargs`` through unchanged, so the arguments here are JSON values (dtypes as strings).
+
+The weight group is a standalone process group (a ``TCPStore`` hosted by the trainer's rank 0 plus a
+``ProcessGroupGloo``/``ProcessGroupNCCL``): rank 0 is the trainer's sender, engine workers are ranks
+``rank_offset + worker rank``. It never touches vLLM's own default group or the trainer's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+STORE_PREFIX = "vime_weight_sync"
+
+
+@dataclass
+class WeightGroup:
+    """One member of the weight process group: the group, the store it was built on (kept alive with it) and
+    the device its tensors must live on."""
+
+    store: dist.Store
+    group: dist.ProcessGroup
+    device: torch.device
+
+    def broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        """Start broadcasting ``tensor`` from rank 0 (in place on the receivers); ``.wait()`` the result."""
+        return self.group.broadcast(tensor, 0)
+
+
+def create_weight_group(
+    master_address: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0
+) -> WeightGroup:
+    """Join the weight group as ``rank`` (rank 0 hosts the store). With gloo the call returns once every rank has
+    joined; the backend is chosen here and only here: ``gloo`` (CPU tensors) or ``nccl`` (current CUDA device)."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_address, master_port, world_size, rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    prefixed = dist.PrefixStore(STORE_PREFIX, store)
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        device = torch.device("cpu")
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', not {backend!r}")
+    return WeightGroup(store, group, device)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"float32"`` (or ``"torch.float32"``) -> ``torch.float32``."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r} in a weight-sync bucket")
+    return dtype
+
+
+class VimeWorkerExtension:
+    """Methods mixed into each vLLM worker (called via ``collective_rpc``); see the module docstring."""
+
+    _vime_weight_group: WeightGroup | None = None
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Join the trainer's weight group as rank ``rank_offset + self.rank``; blocks until all ranks join."""
+        self._vime_weight_group = create_weight_group(
+            master_address,
+            int(master_port),
+            int(rank_offset) + self.rank,
+            int(world_size),
+            backend,
+            timeout_s,
+        )
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], final: bool = True
+    ) -> None:
+        """Receive one bucket (tensors broadcast from rank 0 in ``names`` order); on the ``final`` bucket load
+        everything received since the last load into the model at once."""
+        group = self._vime_weight_group
+        if group is None:
+            raise RuntimeError("update_weights_from_distributed before init_weight_update_group")
+        staged = self.__dict__.setdefault("_vime_staged_weights", [])
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=group.device)
+            group.broadcast(tensor).wait()
+            staged.append((name, tensor))
+        if final:
+            # One reload for the whole model: vLLM's layer-wise reload treats layers missing from a partial
+            # iterator as failed. Not model.load_weights: on CPU loaded weights were repacked into kernel format
+            # (their weight_loader is gone); the worker's reload path restores the loaders and re-processes.
+            self.reload_weights(weights_iterator=list(staged), is_checkpoint_format=True)
+            staged.clear()
+
+    def destroy_weight_update_group(self) -> None:
+        """Leave the weight group (drop this worker's members of it)."""
+        self._vime_weight_group = None

@@ -1,0 +1,95 @@
+"""Training ranks as Ray actors: thin shells over the backend trainer, and the group that drives them."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from vime.ray.placement_group import Bundles
+from vime.utils.misc import free_port
+from vime.utils.train_data import shape_rewards, split_rollout
+from vime.utils.types import Sample
+
+
+@ray.remote
+class TrainRayActor:
+    """One training rank: joins the training process group and owns a backend trainer."""
+
+    def __init__(self, args, role: str, rank: int, world_size: int, master_addr: str, master_port: int):
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+        )  # fmt: skip
+        from vime.utils.distributed import init_distributed
+
+        init_distributed()
+        if args.train_backend != "fsdp":
+            raise NotImplementedError("--train-backend megatron is not wired into the loop yet; use fsdp")
+        from vime.backends.fsdp_utils.trainer import FSDPTrainer
+
+        self.args, self.rank = args, rank
+        self.trainer = FSDPTrainer(args, role=role)
+
+    def load(self) -> int | None:
+        return self.trainer.load()
+
+    def train(self, rollout_id: int, samples: list[Sample], rewards: list[float]) -> dict[str, float]:
+        return self.trainer.train(rollout_id, samples, rewards)
+
+    def save(self, rollout_id: int, save_dir: str) -> None:
+        self.trainer.save(rollout_id, save_dir)
+
+    def export_hf(self, out_dir: str) -> None:
+        self.trainer.export_hf(out_dir)
+
+    def sync_weights(self, engine_urls: list[str], version: int, disk_dir: str | None) -> dict[str, float]:
+        """Push the current weights to every engine (rank 0 talks to engines; all ranks gather shards)."""
+        from vime.backends.vllm_utils.weight_sync import sync_weights_from_trainer
+
+        return sync_weights_from_trainer(self.trainer, self.rank, self.args, engine_urls, version, disk_dir)
+
+
+class RayTrainGroup:
+    """The actor (or critic) ranks: splits each rollout over data-parallel ranks and calls them together."""
+
+    def __init__(self, args, bundles: Bundles, role: str = "actor"):
+        self.args = args
+        world_size = len(bundles.indices)
+        master_addr, master_port = ray.util.get_node_ip_address(), free_port()
+        self.actors = [
+            TrainRayActor.options(
+                num_cpus=1 if bundles.resource == "CPU" else 0,
+                num_gpus=1 if bundles.resource == "GPU" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=bundles.group, placement_group_bundle_index=index
+                ),
+            ).remote(args, role, rank, world_size, master_addr, master_port)
+            for rank, index in enumerate(bundles.indices)
+        ]
+
+    def load(self) -> int | None:
+        """Load every rank; returns the last saved rollout id (None for a fresh start)."""
+        return ray.get([actor.load.remote() for actor in self.actors])[0]
+
+    def train(self, rollout_id: int, groups: list[list[Sample]]) -> dict[str, float]:
+        """Shape rewards over the whole rollout, split it over ranks, train; rank 0's metrics (global values)."""
+        samples = [s for group in groups for s in group]
+        rewards = shape_rewards(self.args, groups)
+        parts = split_rollout([len(s.tokens) for s in samples], len(self.actors), self.args.global_batch_size)
+        futures = [
+            actor.train.remote(rollout_id, [samples[i] for i in part], [rewards[i] for i in part])
+            for actor, part in zip(self.actors, parts, strict=True)
+        ]
+        return ray.get(futures)[0]
+
+    def save(self, rollout_id: int, save_dir: str) -> None:
+        ray.get([actor.save.remote(rollout_id, save_dir) for actor in self.actors])
+
+    def export_hf(self, out_dir: str) -> None:
+        ray.get([actor.export_hf.remote(out_dir) for actor in self.actors])
+
+    def sync_weights(self, engine_urls: list[str], version: int, disk_dir: str | None) -> dict[str, float]:
+        futures = [actor.sync_weights.remote(engine_urls, version, disk_dir) for actor in self.actors]
+        return ray.get(futures)[0]
