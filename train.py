@@ -25,7 +25,9 @@ def run_dir(args) -> Path:
 
 
 def main(args) -> None:
-    ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+    # "local": always a fresh instance, never a stale cluster a previous `ray start` left registered in /tmp/ray.
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     log_dir = run_dir(args)
     tracker = Tracker(args, log_dir)
     pgs = create_placement_groups(args)
