@@ -114,6 +114,12 @@ def build_engine_env(args: argparse.Namespace, base_env: Mapping[str, str] | Non
     return env
 
 
+def private_port(host: str, port: int | None) -> int:
+    """``port`` (or a free one) on ``host``, after refusing a public host (checked before binding to it)."""
+    check_private_host(host)
+    return port or free_port(host)
+
+
 class ServerProcess:
     """A server command run in its own process group with stdout+stderr in a log file, ready once
     ``GET {url}{health_path}`` answers 200. Stopping ends the whole group (vLLM's engine core and workers too).
@@ -307,8 +313,7 @@ class VLLMEngine(ServerProcess):
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
     ):
-        check_private_host(host)  # before free_port, which would bind a public address
-        port = port or free_port(host)
+        port = private_port(host, port)
         super().__init__(
             name="vLLM engine",
             command=build_engine_command(args, host, port, model_path, extra_args),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from vime.backends.vllm_utils.engine import ServerProcess, check_private_host
+from vime.backends.vllm_utils.engine import ServerProcess, private_port
 from vime.utils.misc import free_port
 from vime.utils.passthrough_args import passthrough_cli_args
 
@@ -73,8 +73,7 @@ class RouterProcess(ServerProcess):
         log_path: str | Path | None = None,
         env: Mapping[str, str] | None = None,
     ):
-        check_private_host(host)  # before free_port, which would bind a public address
-        port = port or free_port(host)
+        port = private_port(host, port)
         super().__init__(
             name="vllm-router",
             command=build_router_command(args, host, port),
