@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor
 
 from vime.backends.fsdp_utils import checkpoint, weights
 from vime.backends.fsdp_utils.log_probs import forward_log_probs, forward_values
-from vime.backends.fsdp_utils.loss import make_reducer, policy_loss, value_loss
 from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
 from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
+from vime.utils.loss import make_reducer, policy_loss, value_loss
 from vime.utils.misc import load_function
 from vime.utils.ppo_utils import apply_opd_kl
 from vime.utils.train_data import (
@@ -50,7 +50,7 @@ class FSDPTrainer:
     """Policy (``role="actor"``, with a frozen reference model when ``--use-kl-loss`` or ``--kl-coef`` and a frozen
     teacher with ``--opd-kl-coef``) or value model (``role="critic"``, lr ``--critic-lr``) on FSDP2.
 
-    Hooks: ``--custom-loss-function-path`` has the signature of :func:`~vime.backends.fsdp_utils.loss.policy_loss`
+    Hooks: ``--custom-loss-function-path`` has the signature of :func:`~vime.utils.loss.policy_loss`
     (``fn(args, batch, log_probs, entropy) -> (loss, metrics)``); ``--custom-advantage-function-path`` is
     ``fn(args, samples, rewards, log_probs, ref_log_probs, values) -> list[Tensor]``: per-sample advantages over
     the response tokens, from the shaped rewards, old log-probs and (or None) reference log-probs and critic
