@@ -16,19 +16,19 @@ REPO = Path(__file__).resolve().parents[2]
 RUN_DIR = Path(os.environ.get("VIME_QUICKSTART_DIR", "runs/quickstart")).resolve()
 
 
-def quickstart_argv(model_dir: Path, num_rollout: int = 100) -> list[str]:
-    """GRPO, 16 prompts x 8 samples, one response token (FACTS.md's setting, with a steadier lr)."""
+def quickstart_argv(model_dir: Path, run_dir: Path, num_rollout: int = 100) -> list[str]:
+    """GRPO, 16 prompts x 16 samples, one response token; checkpoints and logs under ``run_dir``."""
     return [
         "--train-backend", "fsdp",
         "--hf-checkpoint", str(model_dir),
         "--prompt-data", str(model_dir / "train.jsonl"), "--rollout-shuffle",
         "--eval-prompt-data", "add3", str(model_dir / "eval.jsonl"), "--eval-interval", "25",
         "--rm-type", "exact", "--advantage-estimator", "grpo",
-        "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
+        "--rollout-batch-size", "16", "--n-samples-per-prompt", "16",
         "--rollout-max-response-len", "1", "--rollout-temperature", "1.0",
         "--num-rollout", str(num_rollout), "--lr", "1e-3", "--weight-decay", "0",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
-        "--save", str(RUN_DIR / "ckpt"), "--save-interval", str(num_rollout), "--log-dir", str(RUN_DIR / "logs"),
+        "--save", str(run_dir / "ckpt"), "--save-interval", str(num_rollout), "--log-dir", str(run_dir / "logs"),
         "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "64",
     ]  # fmt: skip
 
@@ -39,7 +39,7 @@ def main() -> int:
 
     model_dir = build_tiny_model(RUN_DIR / "model", seed=0)
     print(f"[quickstart] tiny model, tokenizer and task written to {model_dir}", flush=True)
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), *quickstart_argv(model_dir)], cwd=REPO)
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *quickstart_argv(model_dir, RUN_DIR)], cwd=REPO)
     if result.returncode:
         return result.returncode
     png = plot_run(RUN_DIR / "logs")

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from vime.backends.vllm_utils.engine import ServerProcess, VLLMEngine
@@ -128,3 +132,39 @@ def module_router_factory(tmp_path_factory, make_args) -> Iterator[Callable[...,
     launcher = Launcher(tmp_path_factory.mktemp("routers"), make_args)
     yield launcher.router
     launcher.stop_all()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Whole runs of train.py / train_async.py as subprocesses, and the processes they leave behind.
+
+RUN_MARKER_ENV = "VIME_TEST_RUN_MARKER"  # inherited by Ray, the engines and the router a run starts
+
+
+def run_env(marker: str, **extra: str) -> dict[str, str]:
+    """The environment of a test run: offline, tagged with ``marker`` so its processes can be found."""
+    return {**os.environ, **OFFLINE_ENV, RUN_MARKER_ENV: marker, **extra}
+
+
+def marked_processes(marker: str) -> list[str]:
+    """``"pid name cmdline"`` of every live process whose environment carries ``marker``."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(RUN_MARKER_ENV) == marker:
+                found.append(f"{proc.pid} {proc.info['name']} {' '.join(proc.info['cmdline'] or [])[:120]}")
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_until_no_marked_processes(marker: str, timeout: float = 30.0) -> list[str]:
+    """Poll until no process carries ``marker``; returns the leftovers (empty on success)."""
+    deadline = time.monotonic() + timeout
+    while (left := marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    """The records of ``log_dir/metrics.jsonl``."""
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]

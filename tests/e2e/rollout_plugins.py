@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 from vime.rollout.filter_hub.base_types import DynamicFilterOutput
-from vime.rollout.vllm_rollout import append_response, generate
+from vime.rollout.vllm_rollout import append_response, generate, generate_rollout
 from vime.utils.types import Status
 
 
@@ -31,3 +34,17 @@ async def two_turns_with_tool_output(args, sample, sampling_params):
     sample.status = Status.PENDING
     sampling_params["max_tokens"] = sample.response_length + 3
     return await generate(args, sample, sampling_params)
+
+
+def failing_rollout(args, rollout_id, data_source, evaluation=False):
+    """A rollout function that breaks at rollout 1 (after a full step 0), as a user's buggy plug-in would."""
+    if rollout_id == 1:
+        raise RuntimeError("plug-in failure at rollout 1")
+    return generate_rollout(args, rollout_id, data_source, evaluation)
+
+
+def stall_at_rollout(args, rollout_id, data_source, evaluation=False):
+    """The default rollout, except that rollout ``$VIME_TEST_STALL_AT`` never ends: a run to kill at a known point."""
+    if not evaluation and str(rollout_id) == os.environ.get("VIME_TEST_STALL_AT"):
+        time.sleep(3600)
+    return generate_rollout(args, rollout_id, data_source, evaluation)

@@ -192,6 +192,11 @@ def _error_of(argv: list[str], capsys) -> str:
         (["--apply-chat-template-kwargs", "[1]"], "expected a JSON object"),
         (["--eval-interval", "5"], "--eval-interval 5 needs --eval-prompt-data or --eval-config"),
         (["--num-epoch", "2"], "--num-rollout and --num-epoch both set"),
+        (["--debug-train-only"], "--debug-train-only starts no engines: pass --load-debug-rollout-data"),
+        (
+            ["--debug-train-only", "--debug-rollout-only", "--load-debug-rollout-data", "r{rollout_id}.json"],
+            "--debug-train-only and --debug-rollout-only both set",
+        ),
     ],
 )
 def test_parse_time_validation_names_the_flag(extra, expected, capsys):

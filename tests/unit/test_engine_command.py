@@ -4,6 +4,9 @@ errors, and the control client's requests and errors against a fake server."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -128,15 +131,65 @@ def test_start_timeout_stops_the_whole_group(tmp_path):
     script = "import subprocess, time\nsubprocess.Popen(['sleep', '300'])\nprint('up', flush=True)\ntime.sleep(300)"
     server = _server(tmp_path, script).start()
     deadline = time.monotonic() + 10
-    while len(server.live_processes()) < 2 and time.monotonic() < deadline:
+    while len(server.live_processes()) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     members = server.live_processes()
-    assert len(members) == 2
+    assert len(members) == 3  # the process guard, the leader and its child
     with pytest.raises(EngineStartError, match=r"timed out after 1s(.|\n)*up"):
         asyncio.run(server.wait_ready(timeout=1))
     assert server.live_processes() == []
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in members)
     server.stop()  # idempotent
+
+
+# A server whose leader forks a grandchild (like vLLM's API server and engine core) and, like vLLM, takes the
+# grandchild down when it gets SIGTERM.
+SERVER_SCRIPT = """
+import signal, subprocess, sys, time
+child = subprocess.Popen(['sleep', '300'])
+def stop(*_):
+    child.kill()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("guard_killed_too", [False, True])
+def test_servers_die_with_their_launcher_even_when_it_is_sigkilled(tmp_path, guard_killed_too):
+    # The launcher is SIGKILLed, so nothing runs stop(); Ray also SIGKILLs a dead actor's direct children (the
+    # guard). Either way the whole group must go.
+    launcher_script = (
+        "import sys, time\n"
+        "from vime.backends.vllm_utils.engine import ServerProcess\n"
+        f"s = ServerProcess('fake', [sys.executable, '-c', {SERVER_SCRIPT!r}], {{}}, '127.0.0.1', 1, {str(tmp_path / 's.log')!r}, 60)\n"
+        "s.start()\nprint(s.proc.pid, flush=True)\ntime.sleep(300)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_script], stdout=subprocess.PIPE, text=True)
+    group = int(launcher.stdout.readline())  # the guard's pid, which is also the group id
+    deadline = time.monotonic() + 10
+    while len(_members(group)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_members(group)) == 3  # guard, leader, grandchild
+    launcher.kill()
+    if guard_killed_too:
+        os.kill(group, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    while _members(group) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _members(group) == []
+
+
+def _members(pgid: int) -> list[int]:
+    alive = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return alive
 
 
 def test_stop_escalates_to_sigkill_and_the_safety_net_stops_running_servers(tmp_path):

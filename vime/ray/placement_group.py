@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 
+PLACEMENT_TIMEOUT_S = 600
+
 
 @dataclass
 class Bundles:
@@ -26,9 +28,8 @@ def bundle_resource() -> str:
     return "GPU" if ray.cluster_resources().get("GPU", 0) >= 1 else "CPU"
 
 
-def create_placement_groups(args) -> dict[str, Bundles]:
-    """Reserve bundles for ``actor``, ``critic`` (ppo only) and ``rollout`` and wait until they are placed."""
-    resource = bundle_resource()
+def bundle_counts(args) -> dict[str, int]:
+    """Bundles each role reserves: ``actor``, ``critic`` (ppo only) and ``rollout`` (none when colocated)."""
     num_actor = 0 if args.debug_rollout_only else args.actor_num_nodes * args.actor_num_gpus_per_node
     num_critic = (
         args.critic_num_nodes * args.critic_num_gpus_per_node
@@ -36,10 +37,28 @@ def create_placement_groups(args) -> dict[str, Bundles]:
         else 0
     )
     num_rollout = 0 if (args.colocate or args.debug_train_only) else args.rollout_num_gpus
-    sizes = {"actor": num_actor, "critic": num_critic, "rollout": num_rollout}
-    total = sum(sizes.values()) or 1
+    return {"actor": num_actor, "critic": num_critic, "rollout": num_rollout}
+
+
+def num_bundles(args) -> int:
+    """Size of the run's placement group."""
+    return sum(bundle_counts(args).values()) or 1
+
+
+def create_placement_groups(args) -> dict[str, Bundles]:
+    """Reserve the bundles of :func:`bundle_counts` in one group and wait until they are placed."""
+    resource = bundle_resource()
+    sizes = bundle_counts(args)
+    total = num_bundles(args)
     group = placement_group([{resource: 1} for _ in range(total)], strategy="PACK")
-    ray.get(group.ready(), timeout=600)
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(
+            f"Ray could not place {total} {resource} bundles ({sizes}) within {PLACEMENT_TIMEOUT_S} s; the cluster "
+            f"has {ray.cluster_resources()}. Lower the --actor-*/--critic-*/--rollout-num-gpus counts or add nodes"
+        ) from None
     result, start = {}, 0
     for role, size in sizes.items():
         result[role] = Bundles(group, list(range(start, start + size)), resource)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 
 import ray
+import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.ray.placement_group import Bundles
 from vime.utils.misc import free_port
 from vime.utils.train_data import shape_rewards, split_rollout
 from vime.utils.types import Sample
+
+PerSample = list[torch.Tensor]  # one per-token tensor per sample
 
 
 @ray.remote
@@ -35,8 +38,18 @@ class TrainRayActor:
     def load(self) -> int | None:
         return self.trainer.load()
 
-    def train(self, rollout_id: int, samples: list[Sample], rewards: list[float]) -> dict[str, float]:
-        return self.trainer.train(rollout_id, samples, rewards)
+    def train(
+        self, rollout_id: int, samples: list[Sample], rewards: list[float], **per_sample: PerSample
+    ) -> dict[str, float]:
+        return self.trainer.train(rollout_id, samples, rewards, **per_sample)
+
+    def compute(self, kind: str, samples: list[Sample]) -> PerSample:
+        """Forward-only per-token outputs: ``log_probs``, ``ref_log_probs`` (actor) or ``values`` (critic)."""
+        if kind == "values":
+            return self.trainer.compute_values(samples)
+        return self.trainer.compute_log_probs(
+            samples, model={"log_probs": "actor", "ref_log_probs": "ref"}[kind]
+        )
 
     def save(self, rollout_id: int, save_dir: str) -> None:
         self.trainer.save(rollout_id, save_dir)
@@ -73,16 +86,47 @@ class RayTrainGroup:
         """Load every rank; returns the last saved rollout id (None for a fresh start)."""
         return ray.get([actor.load.remote() for actor in self.actors])[0]
 
-    def train(self, rollout_id: int, groups: list[list[Sample]]) -> dict[str, float]:
-        """Shape rewards over the whole rollout, split it over ranks, train; rank 0's metrics (global values)."""
+    def _partition(self, groups: list[list[Sample]]) -> tuple[list[Sample], list[list[int]]]:
         samples = [s for group in groups for s in group]
+        return samples, split_rollout(
+            [len(s.tokens) for s in samples], len(self.actors), self.args.global_batch_size
+        )
+
+    def compute(self, kind: str, groups: list[list[Sample]]) -> PerSample:
+        """Per-sample forward outputs (see ``TrainRayActor.compute``) for the whole rollout, in sample order."""
+        samples, parts = self._partition(groups)
+        results = ray.get(
+            [
+                actor.compute.remote(kind, [samples[i] for i in part])
+                for actor, part in zip(self.actors, parts, strict=True)
+            ]
+        )
+        ordered: list = [None] * len(samples)
+        for part, outputs in zip(parts, results, strict=True):
+            for i, output in zip(part, outputs, strict=True):
+                ordered[i] = output
+        return ordered
+
+    def train_async(
+        self, rollout_id: int, groups: list[list[Sample]], **per_sample: PerSample
+    ) -> list[ray.ObjectRef]:
+        """Start training on one rollout: shape rewards over all of it, split it (and any per-sample inputs such
+        as the critic's ``values``, in sample order) over the ranks. Returns one metrics future per rank."""
+        samples, parts = self._partition(groups)
         rewards = shape_rewards(self.args, groups)
-        parts = split_rollout([len(s.tokens) for s in samples], len(self.actors), self.args.global_batch_size)
-        futures = [
-            actor.train.remote(rollout_id, [samples[i] for i in part], [rewards[i] for i in part])
+        return [
+            actor.train.remote(
+                rollout_id,
+                [samples[i] for i in part],
+                [rewards[i] for i in part],
+                **{key: [values[i] for i in part] for key, values in per_sample.items()},
+            )
             for actor, part in zip(self.actors, parts, strict=True)
         ]
-        return ray.get(futures)[0]
+
+    def train(self, rollout_id: int, groups: list[list[Sample]], **per_sample: PerSample) -> dict[str, float]:
+        """:meth:`train_async` and wait; rank 0's metrics (already global values)."""
+        return ray.get(self.train_async(rollout_id, groups, **per_sample))[0]
 
     def save(self, rollout_id: int, save_dir: str) -> None:
         ray.get([actor.save.remote(rollout_id, save_dir) for actor in self.actors])

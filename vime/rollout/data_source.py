@@ -170,15 +170,16 @@ class RolloutDataSource:
         self.next_sample_index = state["next_sample_index"]
         self.buffer = [[Sample.from_dict(sample) for sample in group] for group in state["buffer"]]
 
-    def save(self, rollout_id: int, save_dir: str | os.PathLike) -> Path:
-        """Write the state to ``save_dir/iter_{rollout_id:07d}/data_source.json`` atomically; return the path."""
+    def save(self, rollout_id: int, save_dir: str | os.PathLike, state: dict[str, Any] | None = None) -> Path:
+        """Write the state (or an earlier ``state_dict()``) to ``save_dir/iter_{rollout_id:07d}/data_source.json``
+        atomically; return the path."""
         path = state_path(save_dir, rollout_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Write a temp file in the same directory and rename it, so a crash never leaves a half-written file.
         fd, tmp_name = tempfile.mkstemp(prefix=f".{STATE_FILE}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(self.state_dict(), handle)
+                json.dump(state if state is not None else self.state_dict(), handle)
             os.replace(tmp_name, path)
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)

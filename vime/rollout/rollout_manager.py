@@ -42,6 +42,9 @@ class RolloutManager:
         )
         self.engines: list[VLLMEngine] = []
         self.router = None
+        # (rollout id, data-buffer state just before that rollout drew its prompts): what a checkpoint of the
+        # previous rollout must hold when train_async.py has already started the next one.
+        self._state_before: tuple[int, dict] | None = None
         args.weight_version = 0
 
     @property
@@ -80,6 +83,7 @@ class RolloutManager:
         if self.args.load_debug_rollout_data:
             output = load_rollout_data(self.args.load_debug_rollout_data.format(rollout_id=rollout_id))
         else:
+            self._state_before = (rollout_id, self.data_source.state_dict())
             output = self.rollout_fn(self.args, rollout_id, self.data_source, evaluation=False)
         if not isinstance(output, RolloutFnTrainOutput):
             raise TypeError(
@@ -120,9 +124,14 @@ class RolloutManager:
         self.args.weight_version = version
 
     def save(self, rollout_id: int, save_dir: str | Path) -> None:
-        """Save the data buffer's state next to the trainer's checkpoint."""
-        if self.data_source is not None:
-            self.data_source.save(rollout_id, save_dir)
+        """Save the data buffer's state as of the end of rollout ``rollout_id`` next to the trainer's checkpoint
+        (so a resume at ``rollout_id + 1`` redraws the prompts of a next rollout already generated)."""
+        if self.data_source is None:
+            return
+        state = None
+        if self._state_before is not None and self._state_before[0] == rollout_id + 1:
+            state = self._state_before[1]
+        self.data_source.save(rollout_id, save_dir, state)
 
     def load(self, rollout_id: int, load_dir: str | Path) -> None:
         """Restore the data buffer saved at ``rollout_id``."""

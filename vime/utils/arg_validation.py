@@ -77,8 +77,6 @@ def _check_algorithm(args: argparse.Namespace) -> None:
 
 def _check_batch_sizes(args: argparse.Namespace) -> None:
     if args.rollout_batch_size is None:
-        if args.debug_train_only or args.load_debug_rollout_data:
-            return
         raise ValueError("--rollout-batch-size is required (number of prompts per rollout step)")
     if args.rollout_batch_size < 1:
         raise ValueError(f"--rollout-batch-size {args.rollout_batch_size}: must be >= 1")
@@ -162,8 +160,18 @@ def _check_data(args: argparse.Namespace) -> None:
 
     if not load_eval_configs(args) and args.eval_interval:
         raise ValueError(f"--eval-interval {args.eval_interval} needs --eval-prompt-data or --eval-config")
-    if args.num_rollout is None and args.num_epoch is None and not args.debug_train_only:
-        raise ValueError("set --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data)")
+    if args.debug_train_only and not args.load_debug_rollout_data:
+        raise ValueError(
+            "--debug-train-only starts no engines: pass --load-debug-rollout-data PATTERN (files written by "
+            "--save-debug-rollout-data, with {rollout_id} in the name)"
+        )
+    if args.debug_train_only and args.debug_rollout_only:
+        raise ValueError("--debug-train-only and --debug-rollout-only both set; pass one")
+    if args.num_rollout is None and (args.num_epoch is None or args.debug_train_only):
+        raise ValueError(
+            "set --num-rollout (rollout steps)"
+            + ("" if args.debug_train_only else " or --num-epoch (passes over --prompt-data)")
+        )
     if args.num_rollout is not None and args.num_epoch is not None:
         raise ValueError("--num-rollout and --num-epoch both set; pass one (--num-epoch sets --num-rollout)")
 

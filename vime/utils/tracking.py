@@ -50,7 +50,7 @@ def format_train_line(rollout_id: int, num_rollout: int | None, metrics: dict[st
             parts.append(f"{label} {values[key]:{spec}}")
     phases = [
         (name, values[f"time/{name}_s"])
-        for name in ("rollout", "train", "sync")
+        for name in ("rollout", "rollout_wait", "train", "sync")
         if f"time/{name}_s" in values
     ]
     if phases or "time/step_s" in values:

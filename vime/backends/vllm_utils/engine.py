@@ -29,6 +29,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from vime.backends.vllm_utils import process_guard
 from vime.utils.misc import free_port
 from vime.utils.passthrough_args import passthrough_cli_args
 
@@ -122,7 +123,8 @@ def private_port(host: str, port: int | None) -> int:
 
 class ServerProcess:
     """A server command run in its own process group with stdout+stderr in a log file, ready once
-    ``GET {url}{health_path}`` answers 200. Stopping ends the whole group (vLLM's engine core and workers too).
+    ``GET {url}{health_path}`` answers 200. Stopping ends the whole group (vLLM's engine core and workers too);
+    so does the death of this process, even by SIGKILL (the command runs under :mod:`.process_guard`).
     ``start_timeout`` is the default wait in :meth:`wait_ready`. Usable as a context manager; servers still
     running at interpreter exit are stopped."""
 
@@ -166,13 +168,14 @@ class ServerProcess:
             raise RuntimeError(f"{self.name} at {self.url} was already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
+        guarded = [sys.executable, "-m", process_guard.__name__, str(os.getpid()), "--", *self.command]
         self.proc = subprocess.Popen(
-            self.command,
+            guarded,
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so stop() reaches every child
+            start_new_session=True,  # its own process group, so stop() (and the guard) reach every child
         )
         _RUNNING.add(self)
         return self

@@ -1,0 +1,49 @@
+"""vime's one-step off-policy loop: rollout k+1 is generated while the trainer learns from rollout k.
+
+Weights reach the engines every ``--update-weights-interval`` rollouts, always between two rollouts (the
+in-flight one is finished first), so every sample of a batch comes from one policy version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from vime.ray.run import start_run
+from vime.utils.arguments import parse_args
+
+
+def main(args) -> None:
+    if args.colocate:
+        raise SystemExit(
+            "train_async.py overlaps rollout and training on separate resources: drop --colocate"
+        )
+    run = start_run(args)
+    try:
+        next_rollout = run.generate(run.start_rollout_id)
+        for rollout_id in range(run.start_rollout_id, args.num_rollout):
+            if run.should_eval(rollout_id):
+                run.evaluate(rollout_id)
+            step_started = time.monotonic()
+            output = ray.get(next_rollout)
+            metrics = {**(output.metrics or {}), "time/rollout_wait_s": time.monotonic() - step_started}
+            next_rollout = run.generate(rollout_id + 1) if rollout_id + 1 < args.num_rollout else None
+            metrics |= run.train(rollout_id, output.samples)
+            if run.should_save(rollout_id):
+                run.save(rollout_id)
+            if (rollout_id + 1) % args.update_weights_interval == 0:
+                if next_rollout is not None:
+                    ray.wait([next_rollout])  # never change weights in the middle of a rollout
+                metrics |= run.sync_weights()
+            run.tracker.log(rollout_id, {**metrics, "time/step_s": time.monotonic() - step_started})
+        if run.should_eval(args.num_rollout):
+            run.evaluate(args.num_rollout)
+    finally:
+        run.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    main(parse_args())

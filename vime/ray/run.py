@@ -1,0 +1,161 @@
+"""One training run's moving parts, shared by ``train.py`` and ``train_async.py``: Ray, the rollout manager,
+the actor (and critic) training groups, the tracker, checkpoints and weight sync (DESIGN.md §4)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from vime.ray.placement_group import create_placement_groups, num_bundles
+from vime.ray.rollout_manager import create_rollout_manager
+from vime.ray.train_group import RayTrainGroup
+from vime.utils.tracking import Tracker
+from vime.utils.types import Sample
+
+WORKER_EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
+
+
+def run_dir(args: argparse.Namespace) -> Path:
+    """``--log-dir``, else ``--save``/logs, else ``runs/<timestamp>``."""
+    return Path(
+        args.log_dir or (Path(args.save) / "logs" if args.save else f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    )
+
+
+def init_ray(args: argparse.Namespace) -> None:
+    """Join the cluster at ``RAY_ADDRESS``, else start a fresh local instance (never a stale cluster that a
+    previous ``ray start`` left registered in /tmp/ray). Locally, CPU bundles may outnumber the cores: the
+    engines and ranks then share them, which is what a CPU run does anyway.
+
+    ``ray start`` (Ray 2.60) turns on token authentication; a driver given an explicit address sends the token
+    only with ``RAY_AUTH_MODE=token`` in its environment (Ray reads it at import, so it cannot be set here)."""
+    if address := os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_bundles(args)), log_to_driver=False)
+
+
+@dataclass
+class Run:
+    """The started parts of a run; each method is one step of the loop."""
+
+    args: argparse.Namespace
+    manager: ray.actor.ActorHandle
+    actor: RayTrainGroup | None
+    critic: RayTrainGroup | None
+    tracker: Tracker
+    log_dir: Path
+    start_rollout_id: int
+    weight_version: int = 0
+
+    @property
+    def has_engines(self) -> bool:
+        return not self.args.debug_train_only
+
+    def generate(self, rollout_id: int):
+        """Submit rollout ``rollout_id`` to the manager; returns its future (``RolloutFnTrainOutput``)."""
+        return self.manager.generate.remote(rollout_id)
+
+    def train(self, rollout_id: int, groups: list[list[Sample]]) -> dict[str, float]:
+        """Train the critic (ppo) and, after ``--num-critic-only-steps``, the actor on one rollout."""
+        if self.actor is None:
+            return {}
+        started = time.monotonic()
+        metrics: dict[str, float] = {}
+        per_sample = {}
+        critic_futures = []
+        if self.critic is not None:
+            per_sample["values"] = self.critic.compute("values", groups)
+            if self.args.kl_coef:  # the critic's returns include the KL penalty, from the actor's log-probs
+                per_sample["log_probs"] = self.actor.compute("log_probs", groups)
+                per_sample["ref_log_probs"] = self.actor.compute("ref_log_probs", groups)
+            critic_futures = self.critic.train_async(rollout_id, groups, **per_sample)
+        if rollout_id >= self.args.num_critic_only_steps:
+            metrics |= {
+                f"train/{k}": v for k, v in self.actor.train(rollout_id, groups, **per_sample).items()
+            }
+        if critic_futures:
+            metrics |= {f"critic/{k}": v for k, v in ray.get(critic_futures)[0].items()}
+        metrics["time/train_s"] = time.monotonic() - started
+        return metrics
+
+    def save(self, rollout_id: int) -> None:
+        """Checkpoint the actor, the critic (``--critic-save``) and the data buffer at ``rollout_id``."""
+        if self.actor is not None:
+            self.actor.save(rollout_id, self.args.save)
+        if self.critic is not None and self.args.critic_save:
+            self.critic.save(rollout_id, self.args.critic_save)
+        ray.get(self.manager.save.remote(rollout_id, self.args.save))
+
+    def should_save(self, rollout_id: int) -> bool:
+        args = self.args
+        is_last = rollout_id + 1 == args.num_rollout
+        return bool(args.save) and (
+            is_last or bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
+        )
+
+    def should_eval(self, rollout_id: int) -> bool:
+        return (
+            self.has_engines and bool(self.args.eval_interval) and rollout_id % self.args.eval_interval == 0
+        )
+
+    def evaluate(self, rollout_id: int) -> None:
+        self.tracker.log_eval(rollout_id, ray.get(self.manager.eval.remote(rollout_id)).metrics)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push the actor's weights to every engine as the next weight version."""
+        if self.actor is None or not self.has_engines:
+            return {}
+        started = time.monotonic()
+        self.weight_version += 1
+        engine_urls = ray.get(self.manager.engine_urls.remote())
+        sync_dir = self.args.update_weight_dir or str(self.log_dir / "weight_sync")  # the disk transport's
+        metrics = self.actor.sync_weights(engine_urls, self.weight_version, sync_dir)
+        ray.get(self.manager.set_weight_version.remote(self.weight_version))
+        return {**metrics, "time/sync_s": time.monotonic() - started}
+
+    def close(self) -> None:
+        """Stop engines and router, close the tracker, leave Ray (its actors go with it)."""
+        try:
+            ray.get(self.manager.shutdown.remote())
+        finally:
+            self.tracker.close()
+            ray.shutdown()
+        saved = f" | checkpoints: {self.args.save}" if self.args.save else ""
+        print(f"[vime] metrics: {self.log_dir / 'metrics.jsonl'}{saved}", flush=True)
+
+
+def start_run(args: argparse.Namespace) -> Run:
+    """Start Ray, the engines + router, the training groups; resume from ``--load``; push the first weights."""
+    init_ray(args)
+    log_dir = run_dir(args)
+    pgs = create_placement_groups(args)
+    manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION)
+    try:
+        actor = critic = None
+        if not args.debug_rollout_only:
+            actor = RayTrainGroup(args, pgs["actor"])
+            if pgs["critic"].indices:
+                critic = RayTrainGroup(args, pgs["critic"], role="critic")
+        last = actor.load() if actor else None
+        if critic is not None:
+            critic.load()
+        if last is not None:
+            ray.get(manager.load.remote(last, args.load))
+        args.num_rollout = args.num_rollout or args.num_epoch * ray.get(
+            manager.num_rollout_per_epoch.remote()
+        )
+        run = Run(
+            args, manager, actor, critic, Tracker(args, log_dir), log_dir, 0 if last is None else last + 1
+        )
+        run.sync_weights()
+        return run
+    except BaseException:
+        ray.get(manager.shutdown.remote())
+        ray.shutdown()
+        raise
