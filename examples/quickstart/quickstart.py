@@ -39,7 +39,9 @@ def main() -> int:
 
     model_dir = build_tiny_model(RUN_DIR / "model", seed=0)
     print(f"[quickstart] tiny model, tokenizer and task written to {model_dir}", flush=True)
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), *quickstart_argv(model_dir, RUN_DIR)], cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *quickstart_argv(model_dir, RUN_DIR)], cwd=REPO
+    )
     if result.returncode:
         return result.returncode
     png = plot_run(RUN_DIR / "logs")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 
 _MODEL = [
     ("--num-layers", dict(type=int, default=None, help="Number of transformer layers.")),
@@ -186,6 +187,39 @@ _PRECISION_CKPT_LOG = [
 ]
 
 
+# vime's own Megatron-backend flags (Megatron-LM has none of these), added in both cases.
+_VIME_MEGATRON = [
+    (
+        "--custom-megatron-init-path",
+        dict(default=None, help="Import path of fn(args), called once the Megatron parallel groups exist."),
+    ),
+    (
+        "--custom-megatron-before-log-prob-hook-path",
+        dict(
+            default=None,
+            help="Import path of fn(args, model, samples, which) called before each log-prob pass "
+            "(which: actor, ref or teacher).",
+        ),
+    ),
+    (
+        "--custom-megatron-before-train-step-hook-path",
+        dict(
+            default=None,
+            help="Import path of fn(args, rollout_id, step_id, model, optimizer, scheduler) called before "
+            "each optimizer step.",
+        ),
+    ),
+    (
+        "--megatron-config-path",
+        dict(
+            default=None,
+            help="YAML of Megatron flag overrides: top-level keys for every role, 'actor:' / 'critic:' "
+            "mappings for one role.",
+        ),
+    ),
+]
+
+
 def megatron_lm_available() -> bool:
     """Whether Megatron-LM's ``megatron.training`` (not only megatron-core) is importable."""
     try:
@@ -196,11 +230,17 @@ def megatron_lm_available() -> bool:
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> str:
-    """Add the Megatron flags; returns ``"megatron-lm"`` or ``"vime"`` saying whose definitions were used."""
-    if megatron_lm_available():
+    """Add the Megatron flags; returns ``"megatron-lm"`` or ``"vime"`` saying whose definitions were used.
+
+    vime's copy is the default. The megatron-core wheel itself ships ``megatron.training``, whose full parser
+    (~700 flags) clashes with vime's own flags (``--eval-interval`` ...) and has other defaults (``--lr None``),
+    so Megatron-LM's definitions are used only with ``VIME_USE_MEGATRON_LM_ARGS=1``.
+    """
+    if os.environ.get("VIME_USE_MEGATRON_LM_ARGS") == "1" and megatron_lm_available():
         from megatron.training.arguments import add_megatron_arguments as add_upstream
 
         add_upstream(parser)
+        _add_vime_megatron_flags(parser)
         return "megatron-lm"
     sections = [
         ("megatron: model shape", _MODEL),
@@ -213,4 +253,11 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> str:
         group = parser.add_argument_group(title)
         for flag, kwargs in flags:
             group.add_argument(flag, **kwargs)
+    _add_vime_megatron_flags(parser)
     return "vime"
+
+
+def _add_vime_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("megatron backend: hooks and per-role config")
+    for flag, kwargs in _VIME_MEGATRON:
+        group.add_argument(flag, **kwargs)
