@@ -28,12 +28,17 @@ class TrainRayActor:
         from vime.utils.distributed import init_distributed
 
         init_distributed()
-        if args.train_backend != "fsdp":
-            raise NotImplementedError("--train-backend megatron is not wired into the loop yet; use fsdp")
-        from vime.backends.fsdp_utils.trainer import FSDPTrainer
-
+        if args.train_backend == "megatron":
+            from vime.backends.megatron_utils.trainer import MegatronTrainer as Trainer
+        else:
+            from vime.backends.fsdp_utils.trainer import FSDPTrainer as Trainer
         self.args, self.rank = args, rank
-        self.trainer = FSDPTrainer(args, role=role)
+        self.trainer = Trainer(args, role=role)
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        """(rank, size) of this rank's data-parallel group: ranks with the same DP rank (tensor/pipeline/expert
+        parallel peers) must get the same samples."""
+        return self.trainer.dp_rank, self.trainer.dp_size
 
     def load(self) -> int | None:
         return self.trainer.load()
@@ -81,19 +86,22 @@ class RayTrainGroup:
             ).remote(args, role, rank, world_size, master_addr, master_port)
             for rank, index in enumerate(bundles.indices)
         ]
+        dp = ray.get([actor.data_parallel_rank.remote() for actor in self.actors])
+        self.dp_ranks, self.dp_size = [rank for rank, _ in dp], dp[0][1]
 
     def load(self) -> int | None:
         """Load every rank; returns the last saved rollout id (None for a fresh start)."""
         return ray.get([actor.load.remote() for actor in self.actors])[0]
 
     def _partition(self, groups: list[list[Sample]]) -> tuple[list[Sample], list[list[int]]]:
+        """All samples, and the sample indices of each *rank* (its data-parallel rank's share)."""
         samples = [s for group in groups for s in group]
-        return samples, split_rollout(
-            [len(s.tokens) for s in samples], len(self.actors), self.args.global_batch_size
-        )
+        shares = split_rollout([len(s.tokens) for s in samples], self.dp_size, self.args.global_batch_size)
+        return samples, [shares[dp_rank] for dp_rank in self.dp_ranks]
 
     def compute(self, kind: str, groups: list[list[Sample]]) -> PerSample:
-        """Per-sample forward outputs (see ``TrainRayActor.compute``) for the whole rollout, in sample order."""
+        """Per-sample forward outputs (see ``TrainRayActor.compute``) for the whole rollout, in sample order
+        (data-parallel peers return the same outputs for the same samples)."""
         samples, parts = self._partition(groups)
         results = ray.get(
             [
@@ -125,8 +133,9 @@ class RayTrainGroup:
         ]
 
     def train(self, rollout_id: int, groups: list[list[Sample]], **per_sample: PerSample) -> dict[str, float]:
-        """:meth:`train_async` and wait; rank 0's metrics (already global values)."""
-        return ray.get(self.train_async(rollout_id, groups, **per_sample))[0]
+        """:meth:`train_async` and wait; the last rank's metrics (global values; with pipeline parallelism only the
+        last stage has the loss)."""
+        return ray.get(self.train_async(rollout_id, groups, **per_sample))[-1]
 
     def save(self, rollout_id: int, save_dir: str) -> None:
         ray.get([actor.save.remote(rollout_id, save_dir) for actor in self.actors])

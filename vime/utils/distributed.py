@@ -74,15 +74,20 @@ def all_reduce_max(values: list[int]) -> list[int]:
     return tensor.tolist()
 
 
-def all_gather_1d(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Gather a 1-D tensor whose length may differ per rank; returns every rank's tensor, in rank order."""
+def all_gather_1d(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Gather a 1-D tensor whose length may differ per rank of ``group`` (default: all); returns every rank's
+    tensor, in rank order."""
     local = tensor.to(device())
-    lengths = [torch.zeros(1, dtype=torch.int64, device=local.device) for _ in range(dist.get_world_size())]
-    dist.all_gather(lengths, torch.tensor([local.numel()], dtype=torch.int64, device=local.device))
+    lengths = [
+        torch.zeros(1, dtype=torch.int64, device=local.device) for _ in range(dist.get_world_size(group))
+    ]
+    dist.all_gather(
+        lengths, torch.tensor([local.numel()], dtype=torch.int64, device=local.device), group=group
+    )
     sizes = [int(n.item()) for n in lengths]
     # all_gather needs equal shapes: pad to the longest, then cut each back.
     padded = local.new_zeros(max(sizes))
     padded[: local.numel()] = local
     gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded)
+    dist.all_gather(gathered, padded, group=group)
     return [g[:n].to(tensor.device) for g, n in zip(gathered, sizes, strict=True)]

@@ -273,9 +273,10 @@ def compute_advantages_and_returns(
 
 
 def normalize_advantages(
-    advantages: list[torch.Tensor], loss_masks: list[torch.Tensor]
+    advantages: list[torch.Tensor], loss_masks: list[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> list[torch.Tensor]:
-    """``--normalize-advantages``: masked whitening over the whole data-parallel batch (a collective).
+    """``--normalize-advantages``: masked whitening over the whole data-parallel batch (a collective over
+    ``group``, the data-parallel ranks; default all ranks).
 
     Every rank gathers all ranks' advantages and masks, whitens the concatenation with
     ``ppo_utils.masked_whiten`` and keeps its own slice, so the result does not depend on the partitioning.
@@ -283,8 +284,8 @@ def normalize_advantages(
     lengths = [a.numel() for a in advantages]
     local_adv = torch.cat(advantages) if advantages else torch.zeros(0)
     local_mask = torch.cat(loss_masks) if loss_masks else torch.zeros(0)
-    all_adv, all_mask = all_gather_1d(local_adv.float()), all_gather_1d(local_mask.float())
-    rank = dist.get_rank()
+    all_adv, all_mask = all_gather_1d(local_adv.float(), group), all_gather_1d(local_mask.float(), group)
+    rank = dist.get_rank(group)
     offset = sum(a.numel() for a in all_adv[:rank])
     whitened = ppo_utils.masked_whiten(torch.cat(all_adv), torch.cat(all_mask))
     mine = whitened[offset : offset + local_adv.numel()] * local_mask  # untrained tokens keep advantage 0

@@ -28,25 +28,21 @@ from vime.backends.fsdp_utils import checkpoint, weights
 from vime.backends.fsdp_utils.log_probs import forward_log_probs, forward_values
 from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
 from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from vime.backends.policy_training import PerSample, PolicyTrainingMixin
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
 from vime.utils.loss import make_reducer, policy_loss, value_loss
 from vime.utils.misc import load_function
-from vime.utils.ppo_utils import apply_opd_kl
 from vime.utils.train_data import (
-    compute_advantages_and_returns,
     dynamic_micro_batches,
     fixed_micro_batches,
     loss_mask_of,
     min_micro_batches,
-    normalize_advantages,
     pack_samples,
 )
 from vime.utils.types import Sample
 
-PerSample = list[torch.Tensor]
 
-
-class FSDPTrainer:
+class FSDPTrainer(PolicyTrainingMixin):
     """Policy (``role="actor"``, with a frozen reference model when ``--use-kl-loss`` or ``--kl-coef`` and a frozen
     teacher with ``--opd-kl-coef``) or value model (``role="critic"``, lr ``--critic-lr``) on FSDP2.
 
@@ -62,7 +58,7 @@ class FSDPTrainer:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
         init_distributed()
         self.args, self.role = args, role
-        self.dp_size = dist.get_world_size()
+        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.device = device()
         self.mesh = init_device_mesh(self.device.type, (self.dp_size,))
         # Same seed on every rank: a critic's new value head must start identical everywhere.
@@ -213,88 +209,21 @@ class FSDPTrainer:
         if len(rewards) != len(samples):
             raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
         masks = [loss_mask_of(s) for s in samples]
-        rollout_log_probs = self._rollout_log_probs(samples)
         extra: dict[str, float] = {}
         if self.role == "critic":
             values = values if values is not None else self._forward(self.model, samples)
-            _, returns = self._advantages(samples, rewards, masks, log_probs, ref_log_probs, values)
+            _, returns = self._advantages_and_returns(
+                samples, rewards, masks, log_probs, ref_log_probs, values
+            )
             data = {"old_values": values, "returns": returns}
         else:
-            if log_probs is None and self.args.use_rollout_logprobs:
-                if rollout_log_probs is None:
-                    raise ValueError("--use-rollout-logprobs but some samples carry no rollout_log_probs")
-                log_probs = rollout_log_probs
-            log_probs = log_probs if log_probs is not None else self._forward(self.model, samples)
-            if ref_log_probs is None and self.ref_model is not None:
-                ref_log_probs = self._forward(self.ref_model, samples)
-            advantages, _ = self._advantages(samples, rewards, masks, log_probs, ref_log_probs, values)
-            if self.teacher_model is not None:
-                teacher = self._forward(self.teacher_model, samples)
-                advantages = [
-                    apply_opd_kl(a, lp.to(a.device), t.to(a.device), self.args.opd_kl_coef)
-                    for a, lp, t in zip(advantages, log_probs, teacher, strict=True)
-                ]
-            if self.args.normalize_advantages:
-                advantages = normalize_advantages([a.cpu() for a in advantages], masks)
-            data = {
-                "advantages": advantages,
-                "old_log_probs": log_probs,
-                "ref_log_probs": ref_log_probs,
-                "rollout_log_probs": rollout_log_probs,
-            }
-            if rollout_log_probs is not None:
-                extra["train_rollout_logprob_abs_diff"] = _masked_abs_diff(
-                    log_probs, rollout_log_probs, masks
-                )
-        metrics = self._optimize(samples, masks, data)
+            data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
+        metrics = self._optimize(rollout_id, samples, masks, data)
         metrics.update(extra)
         return metrics
 
-    def _rollout_log_probs(self, samples: list[Sample]) -> PerSample | None:
-        if any(s.rollout_log_probs is None for s in samples):
-            return None
-        for s in samples:
-            if len(s.rollout_log_probs) != s.response_length:
-                raise ValueError(
-                    f"sample {s.index}: len(rollout_log_probs)={len(s.rollout_log_probs)} != response_length="
-                    f"{s.response_length}"
-                )
-        return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
-
-    def _advantages(
-        self,
-        samples: list[Sample],
-        rewards: list[float],
-        masks: PerSample,
-        log_probs: PerSample | None,
-        ref_log_probs: PerSample | None,
-        values: PerSample | None,
-    ) -> tuple[PerSample, PerSample]:
-        cpu = [[t.cpu() for t in ts] if ts is not None else None for ts in (log_probs, ref_log_probs, values)]
-        log_probs, ref_log_probs, values = cpu
-        if self.advantage_fn is None:
-            return compute_advantages_and_returns(self.args, rewards, masks, log_probs, ref_log_probs, values)
-        advantages = self.advantage_fn(self.args, samples, rewards, log_probs, ref_log_probs, values)
-        returns = (
-            [a + v for a, v in zip(advantages, values, strict=True)] if values is not None else advantages
-        )
-        return advantages, returns
-
-    def _optimize(
-        self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]
-    ) -> dict[str, float]:
-        steps = self.args.num_steps_per_rollout
-        if len(samples) % steps:
-            raise ValueError(
-                f"{len(samples)} samples on this rank do not split into --num-steps-per-rollout {steps} steps"
-            )
-        size = len(samples) // steps
-        per_step = []
-        for s in range(steps):
-            chunk = slice(s * size, (s + 1) * size)
-            step_data = {k: v[chunk] if v is not None else None for k, v in data.items()}
-            per_step.append(self._train_step(samples[chunk], masks[chunk], step_data))
-        return {k: sum(m[k] for m in per_step) / steps for k in per_step[0]}
+    def _reduce_sum(self, values: list[float]) -> list[float]:
+        return all_reduce_sum(values)
 
     def _train_step(
         self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]
@@ -353,14 +282,3 @@ class FSDPTrainer:
             grad_norm=float(grad_norm), lr=lr, step_time_s=elapsed, tokens_per_s=total_tokens / elapsed
         )
         return metrics
-
-
-def _masked_abs_diff(a: PerSample, b: PerSample, masks: PerSample) -> float:
-    """Mean of ``|a − b|`` over the loss-masked tokens of all ranks (tool-output tokens have no rollout log-prob)."""
-    total, count = all_reduce_sum(
-        [
-            sum(float(((x.cpu() - y.cpu()).abs() * m).sum()) for x, y, m in zip(a, b, masks, strict=True)),
-            float(sum(m.sum() for m in masks)),
-        ]
-    )
-    return total / max(count, 1.0)

@@ -1,0 +1,247 @@
+"""The Megatron backend on one CUDA GPU: log-probs vs transformers (dense, MoE), HF round trip, torch_dist
+checkpoint, and one GRPO step against the FSDP2 backend. Run: see tests/gpu/README.md."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core"),
+]
+
+# (prompt length, response length) of 6 samples: 3 groups of 2
+SHAPES = [(3, 2), (5, 7), (1, 4), (8, 1), (2, 9), (4, 4)]
+VOCAB = 61
+
+
+def build_moe(path, seed=0):
+    """A small random-init Qwen3-MoE saved as HF (4 experts, top-2, renormalised like Qwen3-30B-A3B)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=512,
+        rope_theta=1000000.0, dtype="float32",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).float()
+    with torch.no_grad():  # the default init leaves router logits near zero; spread them so routing matters
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def build_dense(path, seed=0):
+    from vime.tools.make_tiny_model import build_tiny_model
+
+    return build_tiny_model(path, seed=seed, task=None)
+
+
+def make_args(model_dir, *extra):
+    from vime.backends.megatron_utils.hf_config import flags_from_hf_config, flags_to_argv, load_hf_config
+    from vime.utils.arguments import parse_args
+
+    flags = flags_to_argv(flags_from_hf_config(load_hf_config(model_dir)))
+    return parse_args(
+        [
+            "--train-backend", "megatron", "--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl",
+            "--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+            "--lr", "1e-2", "--weight-decay", "0", "--micro-batch-size", "3", "--transformer-impl", "local",
+            *flags, *extra,
+        ]
+    )  # fmt: skip
+
+
+def samples_for_test(vocab=VOCAB):
+    from vime.utils.types import Sample, Status
+
+    g = torch.Generator().manual_seed(0)
+    return [
+        Sample(index=i, tokens=torch.randint(4, vocab, (p + r,), generator=g).tolist(), response_length=r,
+               reward=float(i % 2), status=Status.COMPLETED)
+        for i, (p, r) in enumerate(SHAPES)
+    ]  # fmt: skip
+
+
+def hf_log_probs(model_dir, samples, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            logits = model(torch.tensor([s.tokens], device="cuda")).logits[0].float().cpu()
+            positions = torch.arange(s.prompt_length - 1, len(s.tokens) - 1)
+            out.append(torch.log_softmax(logits, -1)[positions, torch.tensor(s.tokens[s.prompt_length :])])
+    return out
+
+
+def mean_abs_diff(a, b):
+    return float(torch.cat([(x - y).abs() for x, y in zip(a, b, strict=True)]).mean())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron")
+    return {"dense": str(build_dense(root / "dense")), "moe": str(build_moe(root / "moe"))}
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_log_probs_match_transformers(models, kind):
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+
+    samples = samples_for_test()
+    want = hf_log_probs(models[kind], samples)
+    got = MegatronTrainer(make_args(models[kind])).compute_log_probs(samples)
+    diff = mean_abs_diff(got, want)
+    worst = max(float((x - y).abs().max()) for x, y in zip(got, want, strict=True))
+    print(f"\n[{kind}] fp32 log-probs vs transformers: mean |diff| {diff:.3e}, max {worst:.3e}")
+    assert diff < 1e-4  # nan fails too
+
+    want_bf16 = hf_log_probs(models[kind], samples, torch.bfloat16)
+    got_bf16 = MegatronTrainer(make_args(models[kind], "--bf16")).compute_log_probs(samples)
+    print(
+        f"[{kind}] bf16 log-probs: Megatron vs transformers-bf16 mean |diff| {mean_abs_diff(got_bf16, want_bf16):.3e}; "
+        f"Megatron-bf16 vs fp32 reference {mean_abs_diff(got_bf16, want):.3e}; "
+        f"transformers-bf16 vs fp32 reference {mean_abs_diff(want_bf16, want):.3e}"
+    )
+    assert mean_abs_diff(got_bf16, want) < 0.1
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_hf_round_trip_is_bit_exact(models, kind, tmp_path):
+    from safetensors.torch import load_file
+
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+
+    original = {}
+    for f in sorted(__import__("pathlib").Path(models[kind]).glob("*.safetensors")):
+        original.update(load_file(f))
+    trainer = MegatronTrainer(make_args(models[kind]))
+    exported = {n: t.cpu() for b in trainer.iter_weight_buckets(1 << 20) for n, t in b}
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    trainer.export_hf(str(tmp_path / "hf"))
+    again = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(again) == sorted(original)
+    assert all(torch.equal(again[n], t) for n, t in original.items())
+    print(f"\n[{kind}] HF -> Megatron -> HF: {len(original)} tensors bit-exact")
+
+
+def _grpo_step(trainer, config, samples):
+    from vime.utils.train_data import shape_rewards
+
+    rewards = shape_rewards(config, [samples[i : i + 2] for i in range(0, 6, 2)])
+    metrics = trainer.train(0, samples, rewards)
+    weights = {n: t.float().cpu() for b in trainer.iter_weight_buckets(1 << 30) for n, t in b}
+    return metrics, weights
+
+
+@pytest.mark.parametrize("precision", ["fp32-sgd", "bf16-adam"])
+def test_grpo_step_matches_fsdp(models, precision, tmp_path):
+    from vime.backends.fsdp_utils.trainer import FSDPTrainer
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+
+    extra = ["--optimizer", "sgd", "--lr", "0.1"] if precision == "fp32-sgd" else ["--bf16", "--lr", "1e-3"]
+    config = make_args(models["dense"], *extra)
+    samples = samples_for_test()
+    before = {n: t.float().cpu() for b in MegatronTrainer(config).iter_weight_buckets(1 << 30) for n, t in b}
+    mega_metrics, mega = _grpo_step(MegatronTrainer(config), config, samples)
+    fsdp_config = copy.deepcopy(config)
+    fsdp_config.train_backend = "fsdp"
+    fsdp_metrics, fsdp = _grpo_step(FSDPTrainer(fsdp_config), fsdp_config, samples)
+    assert all(math.isfinite(v) for v in mega_metrics.values()), mega_metrics
+    keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm"]
+    print(
+        f"\n[{precision}] "
+        + ", ".join(f"{k}: megatron {mega_metrics[k]:.6g} fsdp {fsdp_metrics[k]:.6g}" for k in keys)
+    )
+    update = max(float((fsdp[n] - before[n]).abs().max()) for n in fsdp)
+    weight_diff = max(float((mega[n] - fsdp[n]).abs().max()) for n in fsdp)
+    print(
+        f"[{precision}] largest weight update {update:.3e}; largest Megatron-vs-FSDP weight diff {weight_diff:.3e}"
+    )
+    assert update > 0
+    tol = 1e-5 if precision == "fp32-sgd" else 2e-2
+    assert abs(mega_metrics["loss"] - fsdp_metrics["loss"]) < tol
+    assert abs(mega_metrics["grad_norm"] - fsdp_metrics["grad_norm"]) < max(
+        tol, 1e-3 * fsdp_metrics["grad_norm"]
+    )
+    for name in fsdp:
+        if precision == "fp32-sgd":
+            torch.testing.assert_close(mega[name], fsdp[name], atol=1e-5, rtol=1e-4, msg=name)
+        else:  # both exported in bf16: at most a couple of bf16 ulps apart
+            torch.testing.assert_close(mega[name], fsdp[name], atol=1e-2, rtol=1.6e-2, msg=name)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        pytest.param(
+            "distributed",
+            marks=pytest.mark.xfail(
+                reason="weights and loss reload exactly, but the step after resuming differs: the distributed "
+                "optimizer's Adam state does not round-trip through dp_reshardable without Apex/TE (mcore 0.19.2)",
+                strict=False,
+            ),
+        ),
+        "plain",
+    ],
+)
+def test_torch_dist_checkpoint_round_trip(models, tmp_path, optimizer):
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+
+    save = str(tmp_path / "ckpt")
+    extra = ["--use-distributed-optimizer"] if optimizer == "distributed" else []
+    config = make_args(models["moe"], "--bf16", *extra, "--save", save, "--lr", "1e-3")
+    samples = samples_for_test()
+    trainer = MegatronTrainer(config)
+    _grpo_step(trainer, config, samples)
+    trainer.save(3, save)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    want = {n: t.cpu() for b in trainer.iter_weight_buckets(1 << 30) for n, t in b}
+    metrics_next = trainer.train(1, samples, [1.0, -1.0] * 3)
+
+    resumed_config = copy.deepcopy(config)
+    resumed_config.load = save
+    resumed = MegatronTrainer(resumed_config)
+    assert resumed.load() == 3 and resumed.step == 1
+    got = {n: t.cpu() for b in resumed.iter_weight_buckets(1 << 30) for n, t in b}
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    resumed_next = resumed.train(1, samples, [1.0, -1.0] * 3)  # optimizer state restored -> same next step
+    assert abs(resumed_next["loss"] - metrics_next["loss"]) < 1e-6
+    after_a = {n: t.cpu() for b in trainer.iter_weight_buckets(1 << 30) for n, t in b}
+    after_b = {n: t.cpu() for b in resumed.iter_weight_buckets(1 << 30) for n, t in b}
+    assert all(torch.equal(after_a[n], after_b[n]) for n in after_a)
+    print(f"\n[torch_dist, {optimizer} optimizer] save -> load -> next step bit-identical")
+
+
+def test_convert_tools_round_trip(models, tmp_path):
+    from safetensors.torch import load_file
+
+    from vime.backends.megatron_utils.convert import hf_to_torch_dist, torch_dist_to_hf
+
+    source = models["moe"]
+    hf_to_torch_dist(["--hf-checkpoint", source, "--save", str(tmp_path / "dist")])
+    assert (tmp_path / "dist" / "latest_checkpointed_iteration.txt").read_text() == "0"
+    torch_dist_to_hf(
+        ["--hf-checkpoint", source, "--load", str(tmp_path / "dist"), "--output-dir", str(tmp_path / "hf"),
+         "--dtype", "float32"]
+    )  # fmt: skip
+    original, again = (
+        load_file(f"{source}/model.safetensors"),
+        load_file(tmp_path / "hf" / "model.safetensors"),
+    )
+    assert sorted(again) == sorted(original)
+    assert all(torch.equal(again[n], t) for n, t in original.items())
+    print(f"\n[convert tools] HF -> torch_dist -> HF: {len(original)} tensors bit-exact")

@@ -1,0 +1,106 @@
+"""TP=2 and EP=2 give the same log-probs (and HF export) as TP=1, on 2 GPUs. The pytest test launches this
+file under ``torchrun --nproc-per-node 2``; the ``__main__`` part is the per-rank worker."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+    ),
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core"),
+]
+
+
+def test_tp2_and_ep2_match_tp1(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_megatron_gpu import build_dense, build_moe
+
+    build_dense(tmp_path / "dense")
+    build_moe(tmp_path / "moe")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = ["torchrun", "--nproc-per-node", "2", "--master-port", "29517", __file__, str(tmp_path)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    print(result.stdout[-6000:])
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "ALL PARALLEL CHECKS PASSED" in result.stdout
+
+
+def _worker(root: Path) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from test_megatron_gpu import make_args, mean_abs_diff, samples_for_test
+
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+
+    samples = samples_for_test()
+    rank = int(os.environ["RANK"])
+    results = {}
+    cases = [
+        ("dense", "tp1", []),
+        ("dense", "tp2", ["--tensor-model-parallel-size", "2"]),
+        ("moe", "tp1", []),
+        ("moe", "tp2", ["--tensor-model-parallel-size", "2"]),
+        ("moe", "ep2", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
+        ("moe", "tp2-etp1", ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
+    ]
+    for kind, name, extra in cases:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        config = make_args(
+            root / kind, "--actor-num-gpus-per-node", "2", "--optimizer", "sgd", "--lr", "0.1", *extra
+        )
+        trainer = MegatronTrainer(config)
+        log_probs = trainer.compute_log_probs(samples)
+        exported = {n: t.cpu() for b in trainer.iter_weight_buckets(1 << 20) for n, t in b}
+        trained = None
+        if kind == "dense" or name == "ep2" or name == "tp1":  # mcore refuses MoE + TP training without SP
+            trainer.train(0, samples, [1.0, -1.0] * 3)
+            trained = {n: t.cpu() for b in trainer.iter_weight_buckets(1 << 20) for n, t in b}
+        results[(kind, name)] = (log_probs, exported, trained)
+        del trainer
+        torch.cuda.empty_cache()
+    failures = []
+    for kind, name, _ in cases:
+        if name == "tp1":
+            continue
+        base_lp, base_w, base_t = results[(kind, "tp1")]
+        lp, w, t = results[(kind, name)]
+        step_diff = max(float((t[n] - base_t[n]).abs().max()) for n in base_t) if t is not None else None
+        if rank == 0 and t is not None:
+            print(
+                f"[{kind} {name} vs tp1] one SGD step: largest updated-weight diff {step_diff:.3e}",
+                flush=True,
+            )
+        if t is not None and not step_diff <= 1e-5:
+            failures.append((kind, name, "train step", step_diff))
+        diff = mean_abs_diff(lp, base_lp)
+        worst = max(float((a - b).abs().max()) for a, b in zip(lp, base_lp, strict=True))
+        same_weights = sorted(w) == sorted(base_w) and all(torch.equal(w[n], base_w[n]) for n in base_w)
+        if rank == 0:
+            print(f"[{kind} {name} vs tp1] fp32 log-probs mean |diff| {diff:.3e} max {worst:.3e}; "
+                  f"HF export identical: {same_weights}", flush=True)  # fmt: skip
+        if not (diff <= 1e-5 and worst <= 1e-4 and same_weights):  # also catches nan
+            failures.append((kind, name, diff, worst, same_weights))
+    dist.barrier()
+    if failures:
+        raise SystemExit(f"rank {rank}: {failures}")
+    if rank == 0:
+        print("ALL PARALLEL CHECKS PASSED", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))

@@ -1,0 +1,160 @@
+"""``torch_dist`` checkpoints (DESIGN.md §7) through ``megatron.core.dist_checkpointing``, and HF export.
+
+Layout of ``--save DIR``::
+
+    DIR/latest_checkpointed_iteration.txt      last complete rollout id (written last, by rank 0)
+    DIR/iter_{rollout_id:07d}/                  torch_dist: {"model": ..., "optimizer": ...} sharded tensors
+    DIR/iter_{rollout_id:07d}/vime_state.pt     rank 0: rollout id, optimizer step, LR scheduler state
+    DIR/iter_{rollout_id:07d}/rng/rank_{r}.pt   per rank: torch, CUDA (+Megatron tracker), python, numpy RNG
+
+The model part is keyed by Megatron's sharded names, so it reloads under another TP/PP/EP layout.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+
+from vime.backends.megatron_utils import weights
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+# The distributed optimizer's state as its flat per-bucket shards (resumes only with the same TP/PP, any DP).
+# megatron-core 0.19.2 without Apex/TE fails on the other formats: the default "fully_sharded_model_space" is
+# rejected by its own dist_checkpointing, and "fully_reshardable" trips on torch Adam's per-parameter 'step'.
+METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def iteration_dir(save_dir: str | Path, rollout_id: int) -> Path:
+    return Path(save_dir) / f"iter_{rollout_id:07d}"
+
+
+def latest_iteration(load_dir: str | Path | None) -> int | None:
+    """The rollout id in ``load_dir/latest_checkpointed_iteration.txt``; None without a checkpoint."""
+    if not load_dir:
+        return None
+    path = Path(load_dir) / LATEST_FILE
+    return int(path.read_text().strip()) if path.is_file() else None
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """A fresh distributed optimizer has no state tensors to load into (and, without Apex/TE, its
+    ``state_dict`` asserts on that): create them, as Megatron does, with one zero-gradient step on the fp32 main
+    params, which the load then overwrites."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is not None and not inner.state and hasattr(sub, "_init_optimizer_states_with_dummy_values"):
+            sub._init_optimizer_states_with_dummy_values()
+
+
+def save(save_dir, rollout_id: int, model, optimizer, scheduler, step: int) -> Path:
+    """Write ``iter_{rollout_id}`` (collective), then point ``latest_checkpointed_iteration.txt`` at it."""
+    out = iteration_dir(save_dir, rollout_id)
+    out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = {"model": model.sharded_state_dict(metadata=METADATA)}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=METADATA)
+    dist_checkpointing.save(state, str(out))
+    rank = dist.get_rank()
+    (out / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), out / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        torch.save(
+            {
+                "rollout_id": rollout_id,
+                "step": step,
+                "scheduler": scheduler.state_dict() if scheduler else None,
+            },
+            out / "vime_state.pt",
+        )
+    dist.barrier()
+    if rank == 0:
+        (Path(save_dir) / LATEST_FILE).write_text(str(rollout_id))
+    dist.barrier()
+    return out
+
+
+def load(load_dir, step: int | None, model, optimizer, scheduler, load_rng: bool) -> dict:
+    """Restore the model (and optimizer, scheduler, RNG when given) from ``load_dir``'s iteration ``step``
+    (default: the latest). Returns ``vime_state.pt`` (rollout id, step). Collective."""
+    step = step if step is not None else latest_iteration(load_dir)
+    if step is None:
+        raise FileNotFoundError(f"{load_dir} has no {LATEST_FILE}")
+    iter_dir = iteration_dir(load_dir, step)
+    if not iter_dir.is_dir():
+        raise FileNotFoundError(f"no checkpoint {iter_dir}")
+    state = {"model": model.sharded_state_dict(metadata=METADATA)}
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=METADATA)
+    loaded = dist_checkpointing.load(state, str(iter_dir))
+    model.load_state_dict(loaded["model"], strict=False)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    vime_state = torch.load(iter_dir / "vime_state.pt", weights_only=False)
+    if scheduler is not None and vime_state.get("scheduler") is not None:
+        scheduler.load_state_dict(vime_state["scheduler"])
+    rng_file = iter_dir / "rng" / f"rank_{dist.get_rank()}.pt"
+    if load_rng and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return vime_state
+
+
+def export_hf(model, out_dir, tokenizer_path, hf_vocab_size: int, dtype: torch.dtype) -> None:
+    """Write an HF directory: the gathered weights (rank 0 writes) plus the config and tokenizer of
+    ``tokenizer_path`` (the ``--hf-checkpoint``). Collective."""
+    tensors = {}
+    for name, tensor in weights.iter_hf_tensors(model, hf_vocab_size, dtype):
+        if dist.get_rank() == 0:
+            tensors[name] = tensor.cpu().clone()
+    if dist.get_rank() == 0:
+        write_hf_dir(tensors, out_dir, tokenizer_path, dtype)
+    dist.barrier()
+
+
+def write_hf_dir(tensors: dict[str, torch.Tensor], out_dir, source_dir, dtype: torch.dtype) -> None:
+    """Save ``tensors`` as safetensors with ``source_dir``'s config (dtype updated), generation config and
+    tokenizer files."""
+    import json
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict(tensors, out)
+    source = Path(source_dir)
+    config = json.loads((source / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in source.iterdir():
+        if (
+            extra.name != "config.json"
+            and not extra.name.endswith(".safetensors")
+            and extra.name != ("model.safetensors.index.json")
+            and extra.is_file()
+        ):
+            shutil.copy(extra, out / extra.name)

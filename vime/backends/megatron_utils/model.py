@@ -1,0 +1,244 @@
+"""Build a Megatron-Core ``GPTModel`` from the Megatron flags, with the local (non-TransformerEngine) layer spec.
+
+TransformerEngine is not a dependency: its attention is the only one in Megatron-Core that takes packed
+(THD) batches, so this module brings :class:`PackedCoreAttention`, the local core attention that does, on
+``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from vime.backends.megatron_utils.hf_mapping import padded_vocab_size
+
+
+class PackedCoreAttention(MegatronModule):
+    """Causal softmax attention for THD-packed batches (``packed_seq_params.qkv_format == "thd"``) and for
+    plain ``[s, b, heads, dim]`` batches. Each packed sequence attends only to itself; grouped-query attention
+    maps query head ``h`` to key/value group ``h // (heads / groups)``, Megatron's layout."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("--context-parallel-size > 1 needs TransformerEngine attention (not installed)")
+        self.softmax_scale = softmax_scale or config.kv_channels**-0.5
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [b, heads, s, d]; k, v [b, groups, s, d]
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("PackedCoreAttention does not take an attention bias")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            # query [t, heads, d], key/value [t, groups, d]
+            bounds = _host_bounds(packed_seq_params)
+            q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            out = torch.cat(
+                [self._attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in bounds], dim=2
+            )
+            return out[0].transpose(0, 1).reshape(query.shape[0], -1)
+        # [s, b, heads, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = self._attend(q, k, v)  # [b, heads, s, d]
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def _host_bounds(params: PackedSeqParams) -> list[tuple[int, int]]:
+    """``(start, end)`` of each packed sequence, read from the device once per batch (cached on ``params``)."""
+    bounds = getattr(params, "_vime_bounds", None)
+    if bounds is None:
+        cu = params.cu_seqlens_q.tolist()
+        bounds = list(zip(cu[:-1], cu[1:], strict=True))
+        params._vime_bounds = bounds
+    return bounds
+
+
+def packed_seq_params(lengths: list[int], device: torch.device) -> PackedSeqParams:
+    """THD ``PackedSeqParams`` for sequences of ``lengths`` packed into one row."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    cu = cu.to(device)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+    )
+    params._vime_bounds = [(int(a), int(b)) for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:], strict=True)]
+    return params
+
+
+def compute_dtype(args: argparse.Namespace) -> torch.dtype:
+    """bf16 with ``--bf16``, fp16 with ``--fp16``, else fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _moe_layer_freq(value) -> int | list[int]:
+    if isinstance(value, (int, list)):
+        return value
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    # Megatron's pattern syntax, e.g. "([0]*3+[1]*43)": a list expression of integer literals only.
+    tree = ast.parse(text, mode="eval")
+    allowed = (ast.Expression, ast.BinOp, ast.Add, ast.Mult, ast.List, ast.Constant, ast.Load)
+    if not all(isinstance(node, allowed) for node in ast.walk(tree)):
+        raise ValueError(
+            f"--moe-layer-freq {text!r}: expected an int or a list expression like '([0]*1+[1]*3)'"
+        )
+    return list(eval(compile(tree, "--moe-layer-freq", "eval"), {"__builtins__": {}}))  # noqa: S307
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    """The ``TransformerConfig`` of the Megatron flags (dropout off: PPO ratios need a deterministic policy)."""
+    if args.sequence_parallel:
+        raise ValueError("--sequence-parallel needs TransformerEngine norms; the local layer spec has none")
+    if args.normalization != "RMSNorm":
+        raise ValueError("the Megatron backend supports --normalization RMSNorm models only")
+    dtype = compute_dtype(args)
+    moe = {}
+    if args.num_experts:
+        moe = dict(
+            num_moe_experts=args.num_experts,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+            moe_router_topk=args.moe_router_topk,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_dtype=args.moe_router_dtype or "fp32",
+            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+            moe_router_num_groups=args.moe_router_num_groups,
+            moe_router_group_topk=args.moe_router_group_topk,
+            moe_router_load_balancing_type=(
+                args.moe_router_load_balancing_type if args.moe_aux_loss_coeff else "none"
+            ),
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_layer_freq=_moe_layer_freq(args.moe_layer_freq),
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_grouped_gemm=False,  # grouped GEMM needs TransformerEngine
+            moe_permute_fusion=False,
+        )
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+        sequence_parallel=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=args.init_method_std,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        attention_softmax_in_fp32=True,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        transformer_impl="local",
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        # vime's losses are already each micro-batch's share of the global loss: Megatron must not divide by
+        # the number of micro-batches, and DDP must sum (not average) gradients over data-parallel ranks.
+        calculate_per_token_loss=True,
+        # packed micro-batches differ in length; only pipeline p2p needs to know (and then MoE needs alltoall)
+        variable_seq_lengths=args.pipeline_model_parallel_size > 1,
+        **moe,
+    )
+
+
+def build_gpt_model(
+    args: argparse.Namespace, vocab_size: int, config: TransformerConfig | None = None
+) -> GPTModel:
+    """This pipeline stage's ``GPTModel`` on the current CUDA device, in the compute dtype; ``vocab_size`` is the
+    HF vocabulary (padded to ``--make-vocab-size-divisible-by`` x TP here)."""
+    config = config or transformer_config(args)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    spec.layer_norm = WrappedTorchNorm
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+        layer.submodules.input_layernorm = WrappedTorchNorm
+        layer.submodules.pre_mlp_layernorm = WrappedTorchNorm
+    position = "rope" if args.use_rotary_position_embeddings else args.position_embedding_type
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp),
+        max_sequence_length=args.max_position_embeddings or args.seq_length or 4096,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=position,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+    )
+    model.cuda(torch.cuda.current_device())
+    # Parameters only (torch norms are created in fp32); buffers such as the router's expert bias keep theirs.
+    for param in model.parameters():
+        param.data = param.data.to(config.params_dtype)
+    return model

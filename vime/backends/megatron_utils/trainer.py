@@ -1,0 +1,434 @@
+"""``MegatronTrainer``: the Megatron-Core training backend, one instance per GPU rank (DESIGN.md §1, §7).
+
+Same public interface as ``vime.backends.fsdp_utils.trainer.FSDPTrainer``; every public method is collective.
+``samples`` are this rank's *data-parallel* partition: the tensor/pipeline/expert-parallel peers of a rank get
+the same samples. Losses are ``vime.utils.loss`` on packed (THD) micro-batches; log-probs are computed
+vocab-parallel (``log_probs.py``). Only the actor role exists so far (the critic's value head is not built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from vime.backends.megatron_utils import checkpoint, weights
+from vime.backends.megatron_utils.config import apply_megatron_config, load_hook
+from vime.backends.megatron_utils.hf_config import check_hf_config, load_hf_config
+from vime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
+from vime.backends.megatron_utils.model import (
+    build_gpt_model,
+    compute_dtype,
+    packed_seq_params,
+    transformer_config,
+)
+from vime.backends.policy_training import PerSample, PolicyTrainingMixin
+from vime.utils.distributed import init_distributed
+from vime.utils.loss import make_reducer, policy_loss
+from vime.utils.misc import load_function
+from vime.utils.train_data import (
+    dynamic_micro_batches,
+    fixed_micro_batches,
+    loss_mask_of,
+    min_micro_batches,
+    pack_samples,
+)
+from vime.utils.types import Sample
+
+ROLES = ("actor",)
+
+
+def _dp_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """Reduce over the data-parallel group (TP/PP peers hold the same samples, so never over the world)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device="cuda")
+    dist.all_reduce(tensor, op=op, group=parallel_state.get_data_parallel_group())
+    return tensor.tolist()
+
+
+def init_megatron_parallel(args: argparse.Namespace) -> None:
+    """torch.distributed (NCCL) plus Megatron's TP/PP/CP/EP groups; a no-op when already done."""
+    init_distributed(args.distributed_timeout_minutes)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+
+class MegatronTrainer(PolicyTrainingMixin):
+    """The policy (``role="actor"``) on Megatron-Core, with a frozen reference model when ``--use-kl-loss`` or
+    ``--kl-coef`` and a frozen teacher with ``--opd-kl-coef``. Hooks: ``--custom-loss-function-path`` and
+    ``--custom-advantage-function-path`` as for ``FSDPTrainer``; ``--custom-megatron-init-path``
+    ``fn(args)`` after the parallel groups exist; ``--custom-megatron-before-log-prob-hook-path``
+    ``fn(args, model, samples, which)``; ``--custom-megatron-before-train-step-hook-path``
+    ``fn(args, rollout_id, step_id, model, optimizer, scheduler)``; ``--megatron-config-path`` per-role flags."""
+
+    def __init__(self, args: argparse.Namespace, role: str = "actor"):
+        if role not in ROLES:
+            raise NotImplementedError(
+                f"role {role!r}: the Megatron backend has no critic yet; use --train-backend fsdp for ppo"
+            )
+        args = apply_megatron_config(copy.copy(args), role)
+        if args.fp16:
+            raise ValueError("--fp16 is not supported by the Megatron backend (no loss scaling); use --bf16")
+        init_megatron_parallel(args)
+        self.args, self.role = args, role
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        if getattr(args, "custom_megatron_init_path", None):
+            load_hook(args.custom_megatron_init_path, "--custom-megatron-init-path")(args)
+        hf_config = load_hf_config(args.hf_checkpoint)
+        check_hf_config(args, hf_config, f"{args.hf_checkpoint}/config.json")
+        self.hf_vocab_size = hf_config["vocab_size"]
+        self.config = transformer_config(args)
+        self.dtype = compute_dtype(args)
+
+        module = self._load_module(args.hf_checkpoint)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(self.config, ddp_config, module)
+        self.module = module
+        lr = args.lr
+        optim_config = OptimizerConfig(
+            optimizer=args.optimizer,
+            lr=lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+            bf16=args.bf16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(optim_config, [self.model])
+        self.scheduler = self._scheduler(lr)
+        self.step = 0
+        wants_ref = args.use_kl_loss or args.kl_coef != 0
+        self.ref_model = self._frozen(args.ref_load or args.hf_checkpoint) if wants_ref else None
+        self.teacher_model = None
+        if args.opd_kl_coef:
+            if not args.opd_teacher_load:
+                raise ValueError(
+                    "--opd-kl-coef needs --opd-teacher-load (HF dir or checkpoint of the teacher)"
+                )
+            self.teacher_model = self._frozen(args.opd_teacher_load)
+        self.loss_fn: Callable = policy_loss
+        if args.custom_loss_function_path:
+            self.loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
+        self.advantage_fn: Callable | None = None
+        if args.custom_advantage_function_path:
+            self.advantage_fn = load_function(
+                args.custom_advantage_function_path, "--custom-advantage-function-path"
+            )
+        self.before_log_prob_hook = load_hook(
+            getattr(args, "custom_megatron_before_log_prob_hook_path", None),
+            "--custom-megatron-before-log-prob-hook-path",
+        )
+        self.before_train_step_hook = load_hook(
+            getattr(args, "custom_megatron_before_train_step_hook_path", None),
+            "--custom-megatron-before-train-step-hook-path",
+        )
+
+    # ------------------------------------------------------------------------------------------------ build
+    def _load_module(self, path: str):
+        """A GPTModel with weights from an HF dir or a torch_dist checkpoint dir."""
+        module = build_gpt_model(self.args, self.hf_vocab_size, self.config)
+        if checkpoint.latest_iteration(path) is not None:
+            checkpoint.load(path, None, module, None, None, load_rng=False)
+        else:
+            weights.load_hf_weights(module, path, self.hf_vocab_size)
+        return module
+
+    def _frozen(self, path: str):
+        module = self._load_module(path)
+        module.eval()
+        module.requires_grad_(False)
+        return module
+
+    def _scheduler(self, lr: float) -> OptimizerParamScheduler:
+        args = self.args
+        num_rollout = getattr(args, "num_rollout", None)
+        total = num_rollout * args.num_steps_per_rollout if num_rollout else None
+        decay = args.lr_decay_iters or total or 1
+        warmup = args.lr_warmup_iters
+        if args.lr_warmup_fraction is not None:
+            warmup = int(args.lr_warmup_fraction * decay)
+        return OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=args.lr_warmup_init,
+            max_lr=lr,
+            min_lr=args.min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=max(decay, warmup + 1) if args.lr_decay_style != "constant" else max(decay, 1),
+            lr_decay_style=args.lr_decay_style,
+            start_wd=args.weight_decay,
+            end_wd=args.weight_decay,
+            wd_incr_steps=max(decay, 1),
+            wd_incr_style="constant",
+        )
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def load(self) -> int | None:
+        """Resume from ``--load`` (``--ckpt-step`` or ``latest_checkpointed_iteration.txt``): weights, optimizer
+        (unless ``--no-load-optim``), scheduler, RNG (unless ``--no-load-rng``). Returns the saved rollout id, or
+        None for a fresh start (then ``--ref-load`` weights if set and different from ``--hf-checkpoint``)."""
+        args = self.args
+        step = args.ckpt_step if args.ckpt_step is not None else checkpoint.latest_iteration(args.load)
+        if args.load and step is not None:
+            if args.finetune:
+                checkpoint.load(args.load, step, self.module, None, None, load_rng=False)
+                if hasattr(self.optimizer, "reload_model_params"):
+                    self.optimizer.reload_model_params()
+                return None
+            optimizer = None if args.no_load_optim else self.optimizer
+            state = checkpoint.load(
+                args.load, step, self.module, optimizer, self.scheduler, load_rng=not args.no_load_rng
+            )
+            self.step = state["step"]
+            return state["rollout_id"]
+        if args.ref_load and Path(args.ref_load).resolve() != Path(args.hf_checkpoint).resolve():
+            if checkpoint.latest_iteration(args.ref_load) is not None:
+                checkpoint.load(args.ref_load, None, self.module, None, None, load_rng=False)
+            else:
+                weights.load_hf_weights(self.module, args.ref_load, self.hf_vocab_size)
+            if hasattr(self.optimizer, "reload_model_params"):  # refresh the fp32 main copies
+                self.optimizer.reload_model_params()
+        return None
+
+    def save(self, rollout_id: int, save_dir: str) -> None:
+        """Write ``save_dir/iter_{rollout_id:07d}`` in ``torch_dist`` format and update
+        ``latest_checkpointed_iteration.txt``."""
+        optimizer = None if self.args.no_save_optim else self.optimizer
+        checkpoint.save(save_dir, rollout_id, self.module, optimizer, self.scheduler, self.step)
+
+    def export_hf(self, out_dir: str) -> None:
+        """Save an HF directory (safetensors in the training dtype, config and tokenizer of ``--hf-checkpoint``)."""
+        checkpoint.export_hf(self.module, out_dir, self.args.hf_checkpoint, self.hf_vocab_size, self.dtype)
+
+    def iter_weight_buckets(self, buffer_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full weights (gathered over TP/PP/EP) in buckets of at most ``buffer_bytes``; collective."""
+        return weights.iter_weight_buckets(self.module, self.hf_vocab_size, buffer_bytes, self.dtype)
+
+    # ------------------------------------------------------------------------------------------ forward only
+    def compute_log_probs(self, samples: list[Sample], model: str = "actor") -> PerSample:
+        """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"``), at
+        ``--rollout-temperature``, as CPU fp32 tensors; no grad."""
+        nets = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}
+        if nets.get(model) is None:
+            raise ValueError(f"the {self.role} trainer has no {model!r} model")
+        if self.before_log_prob_hook is not None:
+            self.before_log_prob_hook(self.args, nets[model], samples, model)
+        return [t.cpu() for t in self._forward(nets[model], samples)]
+
+    def compute_values(self, samples: list[Sample]) -> PerSample:
+        raise NotImplementedError("the Megatron backend has no critic yet; use --train-backend fsdp for ppo")
+
+    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        lengths = [len(s.tokens) for s in samples]
+        needed = (
+            min_micro_batches(lengths, self.args.max_tokens_per_gpu)
+            if self.args.use_dynamic_batch_size
+            else 0
+        )
+        most, minus_fewest, num = (
+            int(v) for v in _dp_reduce([len(samples), -len(samples), needed], op=dist.ReduceOp.MAX)
+        )
+        if most != -minus_fewest:
+            raise ValueError(
+                f"data-parallel ranks hold between {-minus_fewest} and {most} samples; split rollouts with "
+                "vime.utils.train_data.split_rollout so every rank gets the same number"
+            )
+        if self.args.use_dynamic_batch_size:
+            return dynamic_micro_batches(lengths, self.args.max_tokens_per_gpu, num)
+        return fixed_micro_batches(len(samples), self.args.micro_batch_size)
+
+    def _forward_step(self, loss_func: Callable, data_iterator, model):
+        """Megatron schedule callback: forward one packed micro-batch; logits only at response-predicting rows."""
+        mb = next(data_iterator)
+        packed = mb["packed"]
+        index = packed.logit_indices().cuda()
+
+        def select_logits(hidden_states, output_layer, output_weight, **_):
+            logits, _ = output_layer(hidden_states.index_select(0, index), weight=output_weight)
+            return logits[:, 0, :]
+
+        output = model(
+            packed.input_ids.cuda().unsqueeze(0),
+            packed.position_ids.cuda().unsqueeze(0),
+            None,
+            packed_seq_params=packed_seq_params(packed.total_lengths, torch.device("cuda")),
+            output_processor=select_logits,
+        )
+        return output, partial(loss_func, mb)
+
+    def _run_schedule(self, model, mbs: list[dict], loss_func: Callable, forward_only: bool) -> None:
+        get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_func),
+            data_iterator=iter(mbs),
+            model=[model],
+            num_microbatches=len(mbs),
+            seq_length=max(len(mb["packed"].input_ids) for mb in mbs),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _forward(self, model, samples: list[Sample]) -> PerSample:
+        out: PerSample = [torch.empty(0)] * len(samples)
+        mbs = [
+            {"indices": mb, "packed": pack_samples([samples[i] for i in mb])}
+            for mb in self._micro_batches(samples)
+        ]
+        temperature, vocab = self.args.rollout_temperature, self.hf_vocab_size
+
+        def collect(mb, logits):
+            labels = mb["packed"].input_ids.cuda()[mb["packed"].logit_indices().cuda() + 1]
+            log_probs, _ = vocab_parallel_log_probs(logits, labels, temperature, vocab)
+            for i, piece in zip(mb["indices"], log_probs.split(mb["packed"].response_lengths), strict=True):
+                out[i] = piece.float()
+            return torch.zeros((), device="cuda"), torch.tensor(0, dtype=torch.int, device="cuda"), {}
+
+        # eval mode: no dropout anyway, and Megatron's MoE refuses TP without sequence parallelism only in training
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                self._run_schedule(model, mbs, collect, forward_only=True)
+        finally:
+            model.train(was_training)
+        return self._from_last_stage(out)
+
+    def _from_last_stage(self, out: PerSample) -> PerSample:
+        """Per-sample results live on the last pipeline stage; give every stage a copy."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return out
+        payload = [[t.cpu() for t in out] if parallel_state.is_pipeline_last_stage() else None]
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(payload, src=src, group=parallel_state.get_pipeline_model_parallel_group())
+        return payload[0]
+
+    # ------------------------------------------------------------------------------------------------ train
+    def train(
+        self,
+        rollout_id: int,
+        samples: list[Sample],
+        rewards: list[float],
+        *,
+        values: PerSample | None = None,
+        log_probs: PerSample | None = None,
+        ref_log_probs: PerSample | None = None,
+    ) -> dict[str, float]:
+        """Train on this rank's data-parallel partition of rollout ``rollout_id`` (rewards from
+        ``shape_rewards``): ``--num-steps-per-rollout`` optimizer steps over consecutive equal chunks. Returns
+        metrics averaged over steps (global values)."""
+        if len(rewards) != len(samples):
+            raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
+        masks = [loss_mask_of(s) for s in samples]
+        data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
+        metrics = self._optimize(rollout_id, samples, masks, data)
+        metrics.update(extra)
+        return metrics
+
+    def _reduce_sum(self, values: list[float]) -> list[float]:
+        return _dp_reduce(values)
+
+    def _data_parallel_group(self) -> dist.ProcessGroup:
+        return parallel_state.get_data_parallel_group()
+
+    def _before_train_step(self, rollout_id: int, step: int) -> None:
+        if self.before_train_step_hook is not None:
+            self.before_train_step_hook(
+                self.args, rollout_id, step, self.model, self.optimizer, self.scheduler
+            )
+
+    def _train_step(
+        self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]
+    ) -> dict[str, float]:
+        """One optimizer step over micro-batches through Megatron's schedule (PP-aware)."""
+        args = self.args
+        start = time.perf_counter()
+        num_samples, num_tokens, total_tokens = _dp_reduce(
+            [len(samples), float(sum(m.sum() for m in masks)), sum(len(s.tokens) for s in samples)]
+        )
+        mbs = []
+        for mb in self._micro_batches(samples):
+            packed = pack_samples([samples[i] for i in mb])
+            mask = torch.cat([masks[i] for i in mb]).cuda()
+            batch: dict[str, Any] = {
+                "response_lengths": packed.response_lengths,
+                "loss_mask": mask,
+                "reduce": make_reducer(
+                    mask,
+                    packed.response_lengths,
+                    args.calculate_per_token_loss,
+                    int(num_samples),
+                    int(num_tokens),
+                ),
+            }
+            for key, per_sample in data.items():
+                batch[key] = torch.cat([per_sample[i] for i in mb]).cuda() if per_sample is not None else None
+            mbs.append({"indices": mb, "packed": packed, "batch": batch})
+        sums: dict[str, float] = {}
+        entropy_grad = bool(args.entropy_coef) or self.loss_fn is not policy_loss
+
+        def loss_func(mb, logits):
+            packed = mb["packed"]
+            labels = packed.input_ids.cuda()[packed.logit_indices().cuda() + 1]
+            log_probs, entropy = vocab_parallel_log_probs(
+                logits, labels, args.rollout_temperature, self.hf_vocab_size, True, entropy_grad
+            )
+            loss, metrics = self.loss_fn(args, mb["batch"], log_probs, entropy)
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            return loss, torch.tensor(1, dtype=torch.int, device="cuda"), {}
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run_schedule(self.model, mbs, loss_func, forward_only=False)
+        finalize_model_grads([self.model])
+        lr = self.optimizer.param_groups[0]["lr"]
+        success, grad_norm, _ = self.optimizer.step()
+        if not success:
+            raise RuntimeError("the Megatron optimizer step failed (inf/nan gradients)")
+        self.scheduler.step(increment=1)
+        self.step += 1
+        keys = sorted(sums)
+        # metrics exist on the last pipeline stage; summed over data-parallel ranks there
+        values = _dp_reduce([sums[k] for k in keys]) if keys else []
+        metrics = dict(zip(keys, values, strict=True))
+        elapsed = time.perf_counter() - start
+        metrics.update(
+            grad_norm=float(grad_norm or 0.0), lr=lr, step_time_s=elapsed, tokens_per_s=total_tokens / elapsed
+        )
+        return metrics
