@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from vime.utils.checkpoint_layout import iteration_dir
 from vime.utils.data import PromptDataset, load_prompt_dataset
 from vime.utils.types import Sample, Status
 
@@ -202,4 +203,4 @@ class RolloutDataSource:
 
 def state_path(directory: str | os.PathLike, rollout_id: int) -> Path:
     """``directory/iter_{rollout_id:07d}/data_source.json``."""
-    return Path(directory) / f"iter_{rollout_id:07d}" / STATE_FILE
+    return iteration_dir(directory, rollout_id) / STATE_FILE

@@ -16,10 +16,8 @@ optimizer live in separate DCP folders so a weights-only load (reference model, 
 from __future__ import annotations
 
 import copy
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -36,40 +34,24 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import AutoTokenizer
 
 from vime.backends.fsdp_utils.weights import hf_weight_names
-
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-
-
-def iteration_dir(save_dir: str | Path, rollout_id: int) -> Path:
-    """``save_dir/iter_{rollout_id:07d}``."""
-    return Path(save_dir) / f"iter_{rollout_id:07d}"
-
-
-def latest_iteration(load_dir: str | Path | None) -> int | None:
-    """The rollout id in ``load_dir/latest_checkpointed_iteration.txt``; None if there is no checkpoint."""
-    if not load_dir:
-        return None
-    path = Path(load_dir) / LATEST_FILE
-    if not path.is_file():
-        return None
-    return int(path.read_text().strip())
+from vime.utils.checkpoint_layout import (
+    LATEST_FILE,
+    host_rng_state,
+    iteration_dir,
+    latest_iteration,
+    mark_latest,
+    set_host_rng_state,
+)
 
 
 def _rng_state() -> dict:
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
+    return {**host_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    set_host_rng_state(state)
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
 
 
 def save_checkpoint(
@@ -98,7 +80,7 @@ def save_checkpoint(
         torch.save(state, out / "trainer_state.pt")
     dist.barrier()  # every rank's files exist before the checkpoint is declared complete
     if rank == 0:
-        (Path(save_dir) / LATEST_FILE).write_text(str(rollout_id))
+        mark_latest(save_dir, rollout_id)
     dist.barrier()
     return out
 

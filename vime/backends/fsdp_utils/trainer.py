@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -28,21 +27,19 @@ from vime.backends.fsdp_utils import checkpoint, weights
 from vime.backends.fsdp_utils.log_probs import forward_log_probs, forward_values
 from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
 from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
-from vime.backends.policy_training import PerSample, PolicyTrainingMixin
+from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
-from vime.utils.loss import make_reducer, policy_loss, value_loss
-from vime.utils.misc import load_function
+from vime.utils.loss import policy_loss, value_loss
 from vime.utils.train_data import (
     dynamic_micro_batches,
     fixed_micro_batches,
-    loss_mask_of,
     min_micro_batches,
     pack_samples,
 )
 from vime.utils.types import Sample
 
 
-class FSDPTrainer(PolicyTrainingMixin):
+class FSDPTrainer(TrainerBase):
     """Policy (``role="actor"``, with a frozen reference model when ``--use-kl-loss`` or ``--kl-coef`` and a frozen
     teacher with ``--opd-kl-coef``) or value model (``role="critic"``, lr ``--critic-lr``) on FSDP2.
 
@@ -70,23 +67,7 @@ class FSDPTrainer(PolicyTrainingMixin):
         self.optimizer = build_optimizer(args, self.model, lr)
         self.scheduler = build_lr_scheduler(args, self.optimizer, lr)
         self.step = 0  # optimizer steps taken
-        wants_ref = role == "actor" and (args.use_kl_loss or args.kl_coef != 0)
-        self.ref_model = self._frozen_model(args.ref_load or args.hf_checkpoint) if wants_ref else None
-        self.teacher_model = None
-        if role == "actor" and args.opd_kl_coef:
-            if not args.opd_teacher_load:
-                raise ValueError(
-                    "--opd-kl-coef needs --opd-teacher-load (HF dir or vime checkpoint of the teacher)"
-                )
-            self.teacher_model = self._frozen_model(args.opd_teacher_load)
-        self.loss_fn: Callable = policy_loss
-        if args.custom_loss_function_path:
-            self.loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
-        self.advantage_fn: Callable | None = None
-        if args.custom_advantage_function_path:
-            self.advantage_fn = load_function(
-                args.custom_advantage_function_path, "--custom-advantage-function-path"
-            )
+        self._init_policy_models_and_hooks(self._frozen_model, is_actor=role == "actor")
 
     def _frozen_model(self, path: str) -> nn.Module:
         is_checkpoint = checkpoint.latest_iteration(path) is not None
@@ -191,37 +172,6 @@ class FSDPTrainer(PolicyTrainingMixin):
         return fixed_micro_batches(len(samples), self.args.micro_batch_size)
 
     # ------------------------------------------------------------------------------------------------ train
-    def train(
-        self,
-        rollout_id: int,
-        samples: list[Sample],
-        rewards: list[float],
-        *,
-        values: PerSample | None = None,
-        log_probs: PerSample | None = None,
-        ref_log_probs: PerSample | None = None,
-    ) -> dict[str, float]:
-        """Train on this rank's partition of rollout ``rollout_id`` (``rewards`` shaped by ``shape_rewards``):
-        ``--num-steps-per-rollout`` optimizer steps over consecutive equal chunks. ``values`` (the critic's, for
-        ppo), ``log_probs`` (old policy) and ``ref_log_probs`` are computed here when None and needed; the critic
-        needs the actor's log-probs passed in for ``--kl-coef``. Returns metrics averaged over steps (each a
-        global value over all ranks)."""
-        if len(rewards) != len(samples):
-            raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
-        masks = [loss_mask_of(s) for s in samples]
-        extra: dict[str, float] = {}
-        if self.role == "critic":
-            values = values if values is not None else self._forward(self.model, samples)
-            _, returns = self._advantages_and_returns(
-                samples, rewards, masks, log_probs, ref_log_probs, values
-            )
-            data = {"old_values": values, "returns": returns}
-        else:
-            data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
-        metrics = self._optimize(rollout_id, samples, masks, data)
-        metrics.update(extra)
-        return metrics
-
     def _reduce_sum(self, values: list[float]) -> list[float]:
         return all_reduce_sum(values)
 
@@ -231,28 +181,9 @@ class FSDPTrainer(PolicyTrainingMixin):
         """One optimizer step with gradient accumulation over micro-batches."""
         args = self.args
         start = time.perf_counter()
-        num_samples, num_tokens, total_tokens = all_reduce_sum(
-            [len(samples), float(sum(m.sum() for m in masks)), sum(len(s.tokens) for s in samples)]
-        )
         sums: dict[str, float] = {}
-        for mb in self._micro_batches(samples):
-            packed = pack_samples([samples[i] for i in mb])
-            mask = torch.cat([masks[i] for i in mb]).to(self.device)
-            batch: dict[str, Any] = {
-                "response_lengths": packed.response_lengths,
-                "loss_mask": mask,
-                "reduce": make_reducer(
-                    mask,
-                    packed.response_lengths,
-                    args.calculate_per_token_loss,
-                    int(num_samples),
-                    int(num_tokens),
-                ),
-            }
-            for key, per_sample in data.items():
-                batch[key] = (
-                    torch.cat([per_sample[i] for i in mb]).to(self.device) if per_sample is not None else None
-                )
+        inputs, total_tokens = self._micro_batch_inputs(samples, masks, data, self.device)
+        for _, packed, batch in inputs:
             if self.role == "critic":
                 loss, metrics = value_loss(args, batch, forward_values(self.model, packed, self.device))
             else:

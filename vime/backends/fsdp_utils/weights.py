@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from vime.utils.weight_buckets import Bucket, in_buckets
+
 
 def hf_weight_names(model: nn.Module) -> list[str]:
     """The model's state-dict names as an HF checkpoint holds them: parameters and persistent buffers, each tied
@@ -18,9 +20,7 @@ def hf_weight_names(model: nn.Module) -> list[str]:
     return [name for name in model.state_dict() if name not in aliases]
 
 
-def iter_weight_buckets(
-    model: nn.Module, buffer_bytes: int, dtype: torch.dtype
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_weight_buckets(model: nn.Module, buffer_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]:
     """Yield lists of ``(hf_name, full_tensor)`` of at most ``buffer_bytes`` each (a larger tensor is a bucket of
     its own), floating-point tensors cast to ``dtype``.
 
@@ -28,17 +28,11 @@ def iter_weight_buckets(
     tensors are complete on every rank. Only one bucket of full tensors is alive at a time.
     """
     state = model.state_dict()
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name in hf_weight_names(model):
-        tensor = state[name]
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        full = full.detach().to(dtype) if full.is_floating_point() else full.detach()
-        nbytes = full.numel() * full.element_size()
-        if bucket and size + nbytes > buffer_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, full))
-        size += nbytes
-    if bucket:
-        yield bucket
+
+    def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in hf_weight_names(model):
+            tensor = state[name]
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield name, full.detach().to(dtype) if full.is_floating_point() else full.detach()
+
+    return in_buckets(full_tensors(), buffer_bytes)

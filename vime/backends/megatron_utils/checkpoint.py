@@ -12,51 +12,40 @@ The model part is keyed by Megatron's sharded names, so it reloads under another
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
 from vime.backends.megatron_utils import weights
+from vime.utils.checkpoint_layout import (
+    LATEST_FILE,
+    host_rng_state,
+    iteration_dir,
+    latest_iteration,
+    mark_latest,
+    set_host_rng_state,
+)
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
 # The distributed optimizer's state as its flat per-bucket shards (resumes only with the same TP/PP, any DP).
 # megatron-core 0.19.2 without Apex/TE fails on the other formats: the default "fully_sharded_model_space" is
 # rejected by its own dist_checkpointing, and "fully_reshardable" trips on torch Adam's per-parameter 'step'.
 METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def iteration_dir(save_dir: str | Path, rollout_id: int) -> Path:
-    return Path(save_dir) / f"iter_{rollout_id:07d}"
-
-
-def latest_iteration(load_dir: str | Path | None) -> int | None:
-    """The rollout id in ``load_dir/latest_checkpointed_iteration.txt``; None without a checkpoint."""
-    if not load_dir:
-        return None
-    path = Path(load_dir) / LATEST_FILE
-    return int(path.read_text().strip()) if path.is_file() else None
-
-
 def _rng_state() -> dict:
     return {
-        "torch": torch.get_rng_state(),
+        **host_rng_state(),
         "cuda": torch.cuda.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
     }
 
 
 def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    set_host_rng_state(state)
     torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
 
 
 def _ensure_optimizer_state(optimizer) -> None:
@@ -92,7 +81,7 @@ def save(save_dir, rollout_id: int, model, optimizer, scheduler, step: int) -> P
         )
     dist.barrier()
     if rank == 0:
-        (Path(save_dir) / LATEST_FILE).write_text(str(rollout_id))
+        mark_latest(save_dir, rollout_id)
     dist.barrier()
     return out
 

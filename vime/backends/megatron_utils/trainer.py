@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -40,14 +39,12 @@ from vime.backends.megatron_utils.model import (
     packed_seq_params,
     transformer_config,
 )
-from vime.backends.policy_training import PerSample, PolicyTrainingMixin
+from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import init_distributed
-from vime.utils.loss import make_reducer, policy_loss
-from vime.utils.misc import load_function
+from vime.utils.loss import policy_loss
 from vime.utils.train_data import (
     dynamic_micro_batches,
     fixed_micro_batches,
-    loss_mask_of,
     min_micro_batches,
     pack_samples,
 )
@@ -78,7 +75,7 @@ def init_megatron_parallel(args: argparse.Namespace) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
 
 
-class MegatronTrainer(PolicyTrainingMixin):
+class MegatronTrainer(TrainerBase):
     """The policy (``role="actor"``) on Megatron-Core, with a frozen reference model when ``--use-kl-loss`` or
     ``--kl-coef`` and a frozen teacher with ``--opd-kl-coef``. Hooks: ``--custom-loss-function-path`` and
     ``--custom-advantage-function-path`` as for ``FSDPTrainer``; ``--custom-megatron-init-path``
@@ -134,23 +131,7 @@ class MegatronTrainer(PolicyTrainingMixin):
         self.optimizer = get_megatron_optimizer(optim_config, [self.model])
         self.scheduler = self._scheduler(lr)
         self.step = 0
-        wants_ref = args.use_kl_loss or args.kl_coef != 0
-        self.ref_model = self._frozen(args.ref_load or args.hf_checkpoint) if wants_ref else None
-        self.teacher_model = None
-        if args.opd_kl_coef:
-            if not args.opd_teacher_load:
-                raise ValueError(
-                    "--opd-kl-coef needs --opd-teacher-load (HF dir or checkpoint of the teacher)"
-                )
-            self.teacher_model = self._frozen(args.opd_teacher_load)
-        self.loss_fn: Callable = policy_loss
-        if args.custom_loss_function_path:
-            self.loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
-        self.advantage_fn: Callable | None = None
-        if args.custom_advantage_function_path:
-            self.advantage_fn = load_function(
-                args.custom_advantage_function_path, "--custom-advantage-function-path"
-            )
+        self._init_policy_models_and_hooks(self._frozen)
         self.before_log_prob_hook = load_hook(
             getattr(args, "custom_megatron_before_log_prob_hook_path", None),
             "--custom-megatron-before-log-prob-hook-path",
@@ -338,27 +319,6 @@ class MegatronTrainer(PolicyTrainingMixin):
         return payload[0]
 
     # ------------------------------------------------------------------------------------------------ train
-    def train(
-        self,
-        rollout_id: int,
-        samples: list[Sample],
-        rewards: list[float],
-        *,
-        values: PerSample | None = None,
-        log_probs: PerSample | None = None,
-        ref_log_probs: PerSample | None = None,
-    ) -> dict[str, float]:
-        """Train on this rank's data-parallel partition of rollout ``rollout_id`` (rewards from
-        ``shape_rewards``): ``--num-steps-per-rollout`` optimizer steps over consecutive equal chunks. Returns
-        metrics averaged over steps (global values)."""
-        if len(rewards) != len(samples):
-            raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
-        masks = [loss_mask_of(s) for s in samples]
-        data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
-        metrics = self._optimize(rollout_id, samples, masks, data)
-        metrics.update(extra)
-        return metrics
-
     def _reduce_sum(self, values: list[float]) -> list[float]:
         return _dp_reduce(values)
 
@@ -377,27 +337,8 @@ class MegatronTrainer(PolicyTrainingMixin):
         """One optimizer step over micro-batches through Megatron's schedule (PP-aware)."""
         args = self.args
         start = time.perf_counter()
-        num_samples, num_tokens, total_tokens = _dp_reduce(
-            [len(samples), float(sum(m.sum() for m in masks)), sum(len(s.tokens) for s in samples)]
-        )
-        mbs = []
-        for mb in self._micro_batches(samples):
-            packed = pack_samples([samples[i] for i in mb])
-            mask = torch.cat([masks[i] for i in mb]).cuda()
-            batch: dict[str, Any] = {
-                "response_lengths": packed.response_lengths,
-                "loss_mask": mask,
-                "reduce": make_reducer(
-                    mask,
-                    packed.response_lengths,
-                    args.calculate_per_token_loss,
-                    int(num_samples),
-                    int(num_tokens),
-                ),
-            }
-            for key, per_sample in data.items():
-                batch[key] = torch.cat([per_sample[i] for i in mb]).cuda() if per_sample is not None else None
-            mbs.append({"indices": mb, "packed": packed, "batch": batch})
+        inputs, total_tokens = self._micro_batch_inputs(samples, masks, data, torch.device("cuda"))
+        mbs = [{"indices": mb, "packed": packed, "batch": batch} for mb, packed, batch in inputs]
         sums: dict[str, float] = {}
         entropy_grad = bool(args.entropy_coef) or self.loss_fn is not policy_loss
 

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from vime.backends.megatron_utils import hf_mapping
 from vime.backends.megatron_utils.hf_mapping import AttentionShape
+from vime.utils.weight_buckets import Bucket, in_buckets
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"local_experts\.(\d+)\.")
@@ -238,18 +239,6 @@ def iter_hf_tensors(model, hf_vocab_size: int, dtype: torch.dtype) -> Iterator[t
             yield hf_name, (tensor.to(dtype) if tensor.is_floating_point() else tensor)
 
 
-def iter_weight_buckets(
-    model, hf_vocab_size: int, buffer_bytes: int, dtype: torch.dtype
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_weight_buckets(model, hf_vocab_size: int, buffer_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]:
     """:func:`iter_hf_tensors` grouped into lists of at most ``buffer_bytes`` (a larger tensor is alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in iter_hf_tensors(model, hf_vocab_size, dtype):
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > buffer_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    return in_buckets(iter_hf_tensors(model, hf_vocab_size, dtype), buffer_bytes)

@@ -37,8 +37,8 @@ from safetensors.torch import save_file
 from vime.backends.vllm_utils.control_client import EngineControlClient
 from vime.backends.vllm_utils.worker_extension import WeightGroup, create_weight_group
 from vime.utils.misc import free_port
+from vime.utils.weight_buckets import Bucket
 
-Bucket = list[tuple[str, torch.Tensor]]
 TRANSPORTS = ("disk", "distributed")
 
 

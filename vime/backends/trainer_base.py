@@ -1,19 +1,31 @@
 """What every training backend does the same way around its own forward/backward (DESIGN.md §6).
 
-:class:`PolicyTrainingMixin` turns one rank's rollout partition into the per-sample tensors the policy loss needs
+:class:`TrainerBase` implements ``train``: it turns one rank's rollout partition into the per-sample tensors the
+policy (or value) loss needs
 (old, reference and rollout log-probs, advantages with the on-policy-distillation term and normalisation), and
-runs ``--num-steps-per-rollout`` optimizer steps over consecutive chunks. A backend provides ``args``,
-``advantage_fn``, ``ref_model``, ``teacher_model`` and the four hooks below; the FSDP2 and Megatron trainers both
-mix it in.
+runs ``--num-steps-per-rollout`` optimizer steps over consecutive chunks. A backend sets ``args``, calls
+:meth:`TrainerBase._init_policy_models_and_hooks` and implements ``compute_log_probs``, ``_reduce_sum``
+and ``_train_step``; the FSDP2 and Megatron trainers both mix it in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
+from vime.utils.loss import make_reducer, policy_loss
+from vime.utils.misc import load_function
 from vime.utils.ppo_utils import apply_opd_kl
-from vime.utils.train_data import compute_advantages_and_returns, normalize_advantages
+from vime.utils.train_data import (
+    PackedBatch,
+    compute_advantages_and_returns,
+    loss_mask_of,
+    normalize_advantages,
+    pack_samples,
+)
 from vime.utils.types import Sample
 
 PerSample = list[torch.Tensor]
@@ -32,10 +44,71 @@ def rollout_log_probs_of(samples: list[Sample]) -> PerSample | None:
     return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
 
 
-class PolicyTrainingMixin:
-    """Backend-neutral policy-side training; see the module docstring."""
+class TrainerBase:
+    """Backend-neutral training; see the module docstring. ``role`` is ``"actor"`` or ``"critic"``."""
+
+    role = "actor"
+
+    def train(
+        self,
+        rollout_id: int,
+        samples: list[Sample],
+        rewards: list[float],
+        *,
+        values: PerSample | None = None,
+        log_probs: PerSample | None = None,
+        ref_log_probs: PerSample | None = None,
+    ) -> dict[str, float]:
+        """Train on this rank's data-parallel partition of rollout ``rollout_id`` (``rewards`` shaped by
+        ``shape_rewards``): ``--num-steps-per-rollout`` optimizer steps over consecutive equal chunks. ``values``
+        (the critic's, for ppo), ``log_probs`` (old policy) and ``ref_log_probs`` are computed here when None and
+        needed; the critic needs the actor's log-probs passed in for ``--kl-coef``. Returns metrics averaged over
+        steps (each a global value over all ranks)."""
+        if len(rewards) != len(samples):
+            raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
+        masks = [loss_mask_of(s) for s in samples]
+        extra: dict[str, float] = {}
+        if self.role == "critic":
+            values = values if values is not None else self.compute_values(samples)
+            _, returns = self._advantages_and_returns(
+                samples, rewards, masks, log_probs, ref_log_probs, values
+            )
+            data = {"old_values": values, "returns": returns}
+        else:
+            data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
+        metrics = self._optimize(rollout_id, samples, masks, data)
+        metrics.update(extra)
+        return metrics
+
+    def _init_policy_models_and_hooks(
+        self, build_frozen: Callable[[str], Any], is_actor: bool = True
+    ) -> None:
+        """Set ``ref_model`` (``--use-kl-loss`` or ``--kl-coef``), ``teacher_model`` (``--opd-kl-coef``) via
+        ``build_frozen(path)``, and ``loss_fn`` / ``advantage_fn`` from ``--custom-loss-function-path`` /
+        ``--custom-advantage-function-path``."""
+        args = self.args
+        wants_ref = is_actor and (args.use_kl_loss or args.kl_coef != 0)
+        self.ref_model = build_frozen(args.ref_load or args.hf_checkpoint) if wants_ref else None
+        self.teacher_model = None
+        if is_actor and args.opd_kl_coef:
+            if not args.opd_teacher_load:
+                raise ValueError(
+                    "--opd-kl-coef needs --opd-teacher-load (HF dir or vime checkpoint of the teacher)"
+                )
+            self.teacher_model = build_frozen(args.opd_teacher_load)
+        self.loss_fn: Callable = policy_loss
+        if args.custom_loss_function_path:
+            self.loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
+        self.advantage_fn: Callable | None = None
+        if args.custom_advantage_function_path:
+            self.advantage_fn = load_function(
+                args.custom_advantage_function_path, "--custom-advantage-function-path"
+            )
 
     def compute_log_probs(self, samples: list[Sample], model: str = "actor") -> PerSample:
+        raise NotImplementedError
+
+    def compute_values(self, samples: list[Sample]) -> PerSample:
         raise NotImplementedError
 
     def _reduce_sum(self, values: list[float]) -> list[float]:
@@ -45,6 +118,42 @@ class PolicyTrainingMixin:
     def _train_step(self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]) -> dict:
         """One optimizer step over ``samples``; metrics are global values."""
         raise NotImplementedError
+
+    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        """Sample indices of each micro-batch of one optimizer step."""
+        raise NotImplementedError
+
+    def _micro_batch_inputs(
+        self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None], device: torch.device
+    ) -> tuple[list[tuple[list[int], PackedBatch, dict[str, Any]]], float]:
+        """For one optimizer step: each micro-batch's sample indices, packed tokens and loss inputs (``batch`` of
+        :func:`~vime.utils.loss.policy_loss`, with a ``reduce`` normalised by the global sample and token counts),
+        and the step's total token count over all data-parallel ranks."""
+        args = self.args
+        num_samples, num_tokens, total_tokens = self._reduce_sum(
+            [len(samples), float(sum(m.sum() for m in masks)), sum(len(s.tokens) for s in samples)]
+        )
+        inputs = []
+        for mb in self._micro_batches(samples):
+            packed = pack_samples([samples[i] for i in mb])
+            mask = torch.cat([masks[i] for i in mb]).to(device)
+            batch: dict[str, Any] = {
+                "response_lengths": packed.response_lengths,
+                "loss_mask": mask,
+                "reduce": make_reducer(
+                    mask,
+                    packed.response_lengths,
+                    args.calculate_per_token_loss,
+                    int(num_samples),
+                    int(num_tokens),
+                ),
+            }
+            for key, per_sample in data.items():
+                batch[key] = (
+                    torch.cat([per_sample[i] for i in mb]).to(device) if per_sample is not None else None
+                )
+            inputs.append((mb, packed, batch))
+        return inputs, total_tokens
 
     def _before_train_step(self, rollout_id: int, step: int) -> None:
         """Called before each optimizer step (the Megatron backend runs a user hook here)."""
