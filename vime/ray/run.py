@@ -12,7 +12,7 @@ from pathlib import Path
 import ray
 
 from vime.ray.placement_group import create_placement_groups, num_bundles
-from vime.ray.rollout_manager import create_rollout_manager
+from vime.ray.rollout_manager import bundle_gpus, create_rollout_manager
 from vime.ray.train_group import RayTrainGroup
 from vime.utils.tracking import Tracker
 from vime.utils.types import Sample
@@ -135,13 +135,16 @@ def start_run(args: argparse.Namespace) -> Run:
     init_ray(args)
     log_dir = run_dir(args)
     pgs = create_placement_groups(args)
-    manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION)
+    actor = critic = manager = None
     try:
-        actor = critic = None
         if not args.debug_rollout_only:
             actor = RayTrainGroup(args, pgs["actor"])
             if pgs["critic"].indices:
                 critic = RayTrainGroup(args, pgs["critic"], role="critic")
+        gpus = None
+        if pgs["rollout"].resource == "GPU" and not args.debug_train_only:
+            gpus = actor.gpus()[: args.rollout_num_gpus] if args.colocate else bundle_gpus(pgs["rollout"])
+        manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION, gpus)
         last = actor.load() if actor else None
         if critic is not None:
             critic.load()
@@ -156,6 +159,7 @@ def start_run(args: argparse.Namespace) -> Run:
         run.sync_weights()
         return run
     except BaseException:
-        ray.get(manager.shutdown.remote())
+        if manager is not None:
+            ray.get(manager.shutdown.remote())
         ray.shutdown()
         raise

@@ -35,6 +35,10 @@ class TrainRayActor:
         self.args, self.rank = args, rank
         self.trainer = Trainer(args, role=role)
 
+    def gpu(self) -> tuple[str, str]:
+        """(node id, CUDA_VISIBLE_DEVICES) of this rank: a colocated engine shares its GPU."""
+        return ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
     def data_parallel_rank(self) -> tuple[int, int]:
         """(rank, size) of this rank's data-parallel group: ranks with the same DP rank (tensor/pipeline/expert
         parallel peers) must get the same samples."""
@@ -88,6 +92,10 @@ class RayTrainGroup:
         ]
         dp = ray.get([actor.data_parallel_rank.remote() for actor in self.actors])
         self.dp_ranks, self.dp_size = [rank for rank, _ in dp], dp[0][1]
+
+    def gpus(self) -> list[tuple[str, str]]:
+        """(node id, GPU id) of every rank, in rank order."""
+        return ray.get([actor.gpu.remote() for actor in self.actors])
 
     def load(self) -> int | None:
         """Load every rank; returns the last saved rollout id (None for a fresh start)."""

