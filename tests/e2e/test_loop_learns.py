@@ -40,7 +40,9 @@ def test_quickstart_config_reward_rises_above_0_8(script, tiny_model_dir, tmp_pa
     train = [r for r in records if "rollout/reward_mean" in r]
     assert [r["rollout_id"] for r in train] == list(range(num_rollout))
     rewards = [r["rollout/reward_mean"] for r in train]
-    moving = [sum(rewards[i : i + 5]) / 5 for i in range(len(rewards) - 4)]  # 5-step means (rewards are sampled)
+    moving = [
+        sum(rewards[i : i + 5]) / 5 for i in range(len(rewards) - 4)
+    ]  # 5-step means (rewards are sampled)
     assert moving[0] < 0.3, rewards[:5]
     assert max(moving) > 0.8, rewards  # rises above 0.8 within the run ...
     assert sum(rewards[-10:]) / 10 > 0.6, rewards  # ... and stays learned
