@@ -17,14 +17,14 @@ RUN_DIR = Path(os.environ.get("VIME_QUICKSTART_DIR", "runs/quickstart")).resolve
 
 
 def quickstart_argv(model_dir: Path, run_dir: Path, num_rollout: int = 100) -> list[str]:
-    """GRPO, 16 prompts x 16 samples, one response token; checkpoints and logs under ``run_dir``."""
+    """GRPO, 32 prompts x 16 samples, one response token; checkpoints and logs under ``run_dir``."""
     return [
         "--train-backend", "fsdp",
         "--hf-checkpoint", str(model_dir),
         "--prompt-data", str(model_dir / "train.jsonl"), "--rollout-shuffle",
         "--eval-prompt-data", "add3", str(model_dir / "eval.jsonl"), "--eval-interval", "25",
         "--rm-type", "exact", "--advantage-estimator", "grpo",
-        "--rollout-batch-size", "16", "--n-samples-per-prompt", "16",
+        "--rollout-batch-size", "32", "--n-samples-per-prompt", "16",
         "--rollout-max-response-len", "1", "--rollout-temperature", "1.0",
         "--num-rollout", str(num_rollout), "--lr", "1e-3", "--weight-decay", "0",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",

@@ -22,7 +22,10 @@ from vime.utils.ppo_utils import apply_opd_kl
 from vime.utils.train_data import (
     PackedBatch,
     compute_advantages_and_returns,
+    dynamic_micro_batches,
+    fixed_micro_batches,
     loss_mask_of,
+    min_micro_batches,
     normalize_advantages,
     pack_samples,
 )
@@ -119,9 +122,26 @@ class TrainerBase:
         """One optimizer step over ``samples``; metrics are global values."""
         raise NotImplementedError
 
-    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        """Sample indices of each micro-batch of one optimizer step."""
+    def _reduce_max(self, values: list[int]) -> list[int]:
+        """Element-wise maximum over the data-parallel ranks."""
         raise NotImplementedError
+
+    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        """Sample indices of each micro-batch (``--micro-batch-size``, or packed up to ``--max-tokens-per-gpu``
+        with ``--use-dynamic-batch-size``). Every data-parallel rank gets the same number of micro-batches
+        (collectives run per forward/backward), so ranks must hold equally many samples."""
+        args = self.args
+        lengths = [len(s.tokens) for s in samples]
+        needed = min_micro_batches(lengths, args.max_tokens_per_gpu) if args.use_dynamic_batch_size else 0
+        most, minus_fewest, num_micro_batches = self._reduce_max([len(samples), -len(samples), needed])
+        if most != -minus_fewest:
+            raise ValueError(
+                f"data-parallel ranks hold between {-minus_fewest} and {most} samples; split rollouts with "
+                "vime.utils.train_data.split_rollout so every rank gets the same number"
+            )
+        if args.use_dynamic_batch_size:
+            return dynamic_micro_batches(lengths, args.max_tokens_per_gpu, num_micro_batches)
+        return fixed_micro_batches(len(samples), args.micro_batch_size)
 
     def _micro_batch_inputs(
         self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None], device: torch.device

@@ -31,9 +31,6 @@ from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
 from vime.utils.loss import policy_loss, value_loss
 from vime.utils.train_data import (
-    dynamic_micro_batches,
-    fixed_micro_batches,
-    min_micro_batches,
     pack_samples,
 )
 from vime.utils.types import Sample
@@ -152,24 +149,8 @@ class FSDPTrainer(TrainerBase):
                     out[i] = piece
         return out
 
-    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        """Micro-batch indices; every rank gets the same number of micro-batches (FSDP collectives run per
-        forward/backward), so ranks must hold equally many samples."""
-        lengths = [len(s.tokens) for s in samples]
-        needed = (
-            min_micro_batches(lengths, self.args.max_tokens_per_gpu)
-            if self.args.use_dynamic_batch_size
-            else 0
-        )
-        most, minus_fewest, num_micro_batches = all_reduce_max([len(samples), -len(samples), needed])
-        if most != -minus_fewest:
-            raise ValueError(
-                f"ranks hold between {-minus_fewest} and {most} samples; split rollouts with "
-                "vime.utils.train_data.split_rollout so every rank gets the same number"
-            )
-        if self.args.use_dynamic_batch_size:
-            return dynamic_micro_batches(lengths, self.args.max_tokens_per_gpu, num_micro_batches)
-        return fixed_micro_batches(len(samples), self.args.micro_batch_size)
+    def _reduce_max(self, values: list[int]) -> list[int]:
+        return all_reduce_max(values)
 
     # ------------------------------------------------------------------------------------------------ train
     def _reduce_sum(self, values: list[float]) -> list[float]:

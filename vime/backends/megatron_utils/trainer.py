@@ -43,9 +43,6 @@ from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import init_distributed
 from vime.utils.loss import policy_loss
 from vime.utils.train_data import (
-    dynamic_micro_batches,
-    fixed_micro_batches,
-    min_micro_batches,
     pack_samples,
 )
 from vime.utils.types import Sample
@@ -235,24 +232,8 @@ class MegatronTrainer(TrainerBase):
     def compute_values(self, samples: list[Sample]) -> PerSample:
         raise NotImplementedError("the Megatron backend has no critic yet; use --train-backend fsdp for ppo")
 
-    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        lengths = [len(s.tokens) for s in samples]
-        needed = (
-            min_micro_batches(lengths, self.args.max_tokens_per_gpu)
-            if self.args.use_dynamic_batch_size
-            else 0
-        )
-        most, minus_fewest, num = (
-            int(v) for v in _dp_reduce([len(samples), -len(samples), needed], op=dist.ReduceOp.MAX)
-        )
-        if most != -minus_fewest:
-            raise ValueError(
-                f"data-parallel ranks hold between {-minus_fewest} and {most} samples; split rollouts with "
-                "vime.utils.train_data.split_rollout so every rank gets the same number"
-            )
-        if self.args.use_dynamic_batch_size:
-            return dynamic_micro_batches(lengths, self.args.max_tokens_per_gpu, num)
-        return fixed_micro_batches(len(samples), self.args.micro_batch_size)
+    def _reduce_max(self, values: list[int]) -> list[int]:
+        return [int(v) for v in _dp_reduce(values, op=dist.ReduceOp.MAX)]
 
     def _forward_step(self, loss_func: Callable, data_iterator, model):
         """Megatron schedule callback: forward one packed micro-batch; logits only at response-predicting rows."""
