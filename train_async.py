@@ -16,9 +16,10 @@ from vime.utils.arguments import parse_args
 
 
 def main(args) -> None:
-    if args.colocate:
+    if args.colocate or args.offload_rollout:
         raise SystemExit(
-            "train_async.py overlaps rollout and training on separate resources: drop --colocate"
+            "train_async.py overlaps rollout and training on separate resources: drop --colocate and "
+            "--offload-rollout (engines cannot sleep while they generate the next rollout)"
         )
     run = start_run(args)
     try:

@@ -1,6 +1,10 @@
-"""The whole loop on GPUs: ``train.py`` with a real vLLM engine on one GPU and the trainer (FSDP2 or Megatron) on
-another, NCCL weight sync after every step, on the quick start's task. Needs 2 GPUs and the GPU kit (vllm, ray,
-vllm-router, megatron-core); see tests/gpu/README.md."""
+"""The whole loop on GPUs, on the quick start's task, with the FSDP2 or the Megatron trainer:
+
+- ``split``: a real vLLM engine on one GPU, the trainer on the other, NCCL weight sync (``distributed``);
+- ``colocate``: two trainer ranks and two engines sharing both GPUs, engines asleep while the trainer trains,
+  CUDA IPC weight sync (``tensor``).
+
+Needs 2 GPUs and the GPU kit (vllm, ray, vllm-router, megatron-core); see tests/gpu/README.md."""
 
 from __future__ import annotations
 
@@ -33,8 +37,9 @@ def _log_tails(tmp_path: Path) -> str:
     )
 
 
+@pytest.mark.parametrize("layout", ["split", "colocate"])
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_grpo_loop_on_two_gpus_learns_with_matching_log_probs(backend, tmp_path):
+def test_grpo_loop_on_two_gpus_learns_with_matching_log_probs(backend, layout, tmp_path):
     if backend == "megatron" and importlib.util.find_spec("megatron.core") is None:
         pytest.skip("needs megatron-core")
     from vime.tools.make_tiny_model import build_tiny_model
@@ -45,19 +50,23 @@ def test_grpo_loop_on_two_gpus_learns_with_matching_log_probs(backend, tmp_path)
         "--prompt-data", str(model_dir / "train.jsonl"), "--rollout-shuffle", "--rm-type", "exact",
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "16", "--rollout-max-response-len", "1",
         "--num-rollout", str(NUM_ROLLOUT), "--lr", "1e-3", "--weight-decay", "0",
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--update-weight-transport", "distributed",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
         "--log-dir", str(tmp_path / "logs"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
         "--vllm-max-model-len", "64", "--vllm-gpu-memory-utilization", "0.3",
     ]  # fmt: skip
+    if layout == "colocate":  # both GPUs hold a trainer rank and an engine; default transport: tensor
+        argv += ["--colocate", "--actor-num-gpus-per-node", "2"]
+    else:
+        argv += ["--update-weight-transport", "distributed"]
     if backend == "megatron":
         from vime.backends.megatron_utils.hf_config import flags_from_hf_config, flags_to_argv, load_hf_config
 
         argv += flags_to_argv(flags_from_hf_config(load_hf_config(model_dir)))
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=480, cwd=tmp_path)
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=420, cwd=tmp_path)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(
-            f"train.py did not finish in 480 s; stdout tail:\n{(exc.stdout or b'')[-3000:]!r}\n{_log_tails(tmp_path)}"
+            f"train.py did not finish in 420 s; stdout tail:\n{(exc.stdout or b'')[-3000:]!r}\n{_log_tails(tmp_path)}"
         )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:] + _log_tails(tmp_path)
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -65,9 +74,12 @@ def test_grpo_loop_on_two_gpus_learns_with_matching_log_probs(backend, tmp_path)
     assert [r["rollout_id"] for r in train] == list(range(NUM_ROLLOUT))
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in train]
     rewards = [r["rollout/reward_mean"] for r in train]
-    print(f"\n[{backend}] logprob diff max {max(diffs):.2e} | reward first5 {sum(rewards[:5]) / 5:.3f} "
+    print(f"\n[{backend} {layout}] logprob diff max {max(diffs):.2e} | reward first5 {sum(rewards[:5]) / 5:.3f} "
           f"last5 {sum(rewards[-5:]) / 5:.3f} | step time {train[-1].get('time/train_s', 0):.2f}s train, "
           f"{train[-1].get('time/sync_s', 0):.2f}s sync, {train[-1].get('time/rollout_s', 0):.2f}s rollout")  # fmt: skip
     assert max(diffs) < 1e-3, diffs
+    if layout == "colocate":  # every engine slept once per training step (vLLM logs each sleep)
+        for log in (tmp_path / "logs").glob("engine_*.log"):
+            assert log.read_text(errors="replace").count("Sleep mode freed") == NUM_ROLLOUT, log.name
     assert all(r["weight_sync/bytes"] > 0 for r in train)
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards

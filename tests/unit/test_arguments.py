@@ -188,6 +188,7 @@ def _error_of(argv: list[str], capsys) -> str:
         ),
         (["--vllm-router-ip", "10.0.0.1"], "--vllm-router-ip and --vllm-router-port go together"),
         (["--update-weight-transport", "tensor"], "needs --colocate"),
+        (["--offload"], "--offload-train (or --offload) is not implemented yet"),
         (["--eval-prompt-data", "a", "b", "c"], "NAME PATH pairs"),
         (["--apply-chat-template-kwargs", "[1]"], "expected a JSON object"),
         (["--eval-interval", "5"], "--eval-interval 5 needs --eval-prompt-data or --eval-config"),
@@ -223,13 +224,19 @@ def test_megatron_backend_without_megatron_core_suggests_fsdp(capsys):
 
 
 def test_derived_defaults():
-    args = parse_args(BASE + ["--num-steps-per-rollout", "2", "--eps-clip", "0.3", "--offload"])
+    args = parse_args(BASE + ["--num-steps-per-rollout", "2", "--eps-clip", "0.3"])
     assert args.global_batch_size == 8 and args.num_steps_per_rollout == 2
     assert args.eps_clip_high == 0.3
-    assert args.offload_train and args.offload_rollout
+    assert not args.offload_rollout
     assert args.update_weight_transport == "distributed"
     assert args.critic_num_gpus_per_node == args.actor_num_gpus_per_node
     assert args.eval_temperature == args.rollout_temperature
+
+
+def test_colocate_defaults_to_sleeping_engines_and_the_tensor_transport():
+    args = parse_args(BASE + ["--colocate"])
+    assert args.offload_rollout and args.update_weight_transport == "tensor"
+    assert args.rollout_num_gpus == args.actor_num_nodes * args.actor_num_gpus_per_node
 
 
 def test_help_lists_groups_and_points_to_passthrough_help(parser):

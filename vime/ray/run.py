@@ -66,6 +66,8 @@ class Run:
         if self.actor is None:
             return {}
         started = time.monotonic()
+        if self.args.offload_rollout and self.has_engines:  # colocated: the engines give the GPUs back
+            ray.get(self.manager.sleep.remote())
         metrics: dict[str, float] = {}
         per_sample = {}
         critic_futures = []
@@ -115,7 +117,9 @@ class Run:
         self.weight_version += 1
         engine_urls = ray.get(self.manager.engine_urls.remote())
         sync_dir = self.args.update_weight_dir or str(self.log_dir / "weight_sync")  # the disk transport's
+        ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
         metrics = self.actor.sync_weights(engine_urls, self.weight_version, sync_dir)
+        ray.get(self.manager.wake_up.remote(["kv_cache"]))
         ray.get(self.manager.set_weight_version.remote(self.weight_version))
         return {**metrics, "time/sync_s": time.monotonic() - started}
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
+from vime.backends.vllm_utils.control_client import EngineControlClient
 from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.router import connect_router, register_workers
 from vime.rollout.data_source import RolloutDataSource
@@ -50,6 +52,7 @@ class RolloutManager:
         )
         self.engines: list[VLLMEngine] = []
         self.router = None
+        self.sleeping: set[str] = set()  # what the engines have freed (--offload-rollout)
         # (rollout id, data-buffer state just before that rollout drew its prompts): what a checkpoint of the
         # previous rollout must hold when train_async.py has already started the next one.
         self._state_before: tuple[int, dict] | None = None
@@ -65,11 +68,18 @@ class RolloutManager:
             return
         if self.engine_gpus is not None and len(self.engine_gpus) != self.num_engines:
             raise ValueError(f"{len(self.engine_gpus)} GPU sets for {self.num_engines} engines")
+        extra_args = list(self.engine_extra_args)
+        if self.args.offload_rollout:
+            if not self.engine_gpus:
+                raise ValueError(
+                    "--offload-rollout (implied by --colocate) needs GPU engines: vLLM's sleep mode is CUDA-only"
+                )
+            extra_args.append("--enable-sleep-mode")
         self.engines = [
             VLLMEngine(
                 self.args,
                 log_path=self.log_dir / f"engine_{i}.log",
-                extra_args=self.engine_extra_args,
+                extra_args=extra_args,
                 env={"CUDA_VISIBLE_DEVICES": self.engine_gpus[i]} if self.engine_gpus else None,
             )
             for i in range(self.num_engines)
@@ -132,6 +142,20 @@ class RolloutManager:
         """Base URLs of the engines (control calls and weight sync go to them directly)."""
         return [engine.url for engine in self.engines]
 
+    def sleep(self) -> None:
+        """Free the engines' GPU memory for training (``--offload-rollout``): weights go to host memory and the
+        KV cache is dropped. A no-op when they already sleep."""
+        if not self.sleeping:
+            run(_on_every_engine(self.engine_urls(), lambda client: client.sleep(level=1)))
+            self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Bring back what :meth:`sleep` freed, ``weights`` (before a weight sync) and/or ``kv_cache``."""
+        tags = [tag for tag in tags if tag in self.sleeping]
+        if tags:
+            run(_on_every_engine(self.engine_urls(), lambda client: client.wake_up(tags)))
+            self.sleeping -= set(tags)
+
     def set_weight_version(self, version: int) -> None:
         """Record the policy version the engines now serve (stamped on every new sample)."""
         self.args.weight_version = version
@@ -160,6 +184,15 @@ class RolloutManager:
         for engine in self.engines:
             engine.stop()
         self.engines = []
+
+
+async def _on_every_engine(urls: list[str], call: Callable[[EngineControlClient], Awaitable]) -> None:
+    """Make one control call on every engine, concurrently."""
+    clients = [EngineControlClient(url) for url in urls]
+    try:
+        await asyncio.gather(*(call(client) for client in clients))
+    finally:
+        await asyncio.gather(*(client.close() for client in clients))
 
 
 async def _wait_all(engines: list[VLLMEngine], timeout: float) -> None:

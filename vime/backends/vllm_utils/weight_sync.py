@@ -11,6 +11,8 @@ Transports:
   directory; it needs no ``config.json``.
 - ``distributed``: :class:`DistributedWeightSender` broadcasts each bucket from the trainer's rank 0 to every
   engine worker (started with ``--worker-extension-cls`` :class:`~.worker_extension.VimeWorkerExtension`).
+- ``tensor`` (colocated GPU runs): :func:`sync_weights_over_ipc`; the training rank on each engine worker's GPU
+  shares each bucket through a CUDA IPC handle and the worker loads it in place.
 
 Bucket iteration is collective over the training ranks, so EVERY training rank calls :func:`sync_weights` (or
 :func:`sync_weights_from_trainer`) with its own bucket iterator; ranks other than 0 pass ``rank != 0`` and only
@@ -32,9 +34,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from vime.backends.vllm_utils.control_client import EngineControlClient
+from vime.backends.vllm_utils.cuda_ipc import flatten_bucket, share_cuda_buffer
 from vime.backends.vllm_utils.worker_extension import WeightGroup, create_weight_group
 from vime.utils.misc import free_port
 from vime.utils.weight_buckets import Bucket
@@ -195,6 +199,88 @@ async def sync_weights(
     }
 
 
+def sync_weights_over_ipc(
+    engine_urls: Sequence[str], buckets: Iterator[Bucket], version: int, workers_per_engine: int, rank: int
+) -> dict[str, float]:
+    """The ``tensor`` transport (colocated GPU runs); EVERY training rank calls it, in step. Engine ``i``'s
+    worker ``w`` shares a GPU with training rank ``i * workers_per_engine + w``: per bucket, each such rank
+    flattens the bucket into one buffer on its GPU and shares a CUDA IPC handle of it; rank 0 gathers the
+    handles and has every worker load its own in place; then all ranks learn whether that worked (and free the
+    buffer). Rank 0 returns the metrics of :func:`sync_weights`, the others ``{}``."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("--update-weight-transport tensor (CUDA IPC) needs GPUs; use distributed or disk")
+    device = torch.device("cuda", torch.cuda.current_device())
+    world_size = dist.get_world_size()
+    num_workers = len(engine_urls) * workers_per_engine
+    if num_workers > world_size:
+        raise ValueError(
+            f"{num_workers} colocated engine workers but {world_size} training ranks: with the tensor transport "
+            "every engine GPU must hold a training rank (--rollout-num-gpus <= the actor's GPUs)"
+        )
+    start, nbytes = time.perf_counter(), 0
+    runner = asyncio.Runner() if rank == 0 else None
+    clients = [EngineControlClient(url) for url in engine_urls] if rank == 0 else []
+    try:
+        if runner is not None:
+            runner.run(_each(client.pause(mode="keep") for client in clients))
+        for bucket in buckets:
+            shared = None
+            if rank < num_workers:
+                buffer, layout = flatten_bucket(bucket, device)
+                torch.cuda.current_stream(
+                    device
+                ).synchronize()  # the copy is done before another process reads
+                shared = {"handle": share_cuda_buffer(buffer), "layout": layout}
+            everyone: list = [None] * world_size
+            dist.all_gather_object(everyone, shared)
+            error = None
+            if runner is not None:
+                try:
+                    runner.run(
+                        _each(
+                            client.collective_rpc(
+                                "update_weights_from_ipc",
+                                kwargs={
+                                    "buffers": everyone[i * workers_per_engine : (i + 1) * workers_per_engine]
+                                },
+                            )
+                            for i, client in enumerate(clients)
+                        )
+                    )
+                except Exception as exc:  # every rank must hear of it, or they wait at the next bucket
+                    error = exc
+            status: list = [None] * world_size
+            dist.all_gather_object(status, None if error is None else repr(error))
+            if error is not None:
+                raise error
+            if status[0] is not None:
+                raise RuntimeError(f"tensor weight sync failed on training rank 0: {status[0]}")
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            shared = buffer = None
+        if runner is not None:
+            runner.run(_each(client.reset_prefix_cache() for client in clients))
+    finally:
+        if runner is not None:
+            try:
+                runner.run(_each(client.resume() for client in clients))
+            finally:
+                runner.run(_each(client.close() for client in clients))
+                runner.close()
+        torch.cuda.ipc_collect()
+    if rank != 0:
+        return {}
+    return {
+        "weight_sync/time_s": time.perf_counter() - start,
+        "weight_sync/bytes": float(nbytes),
+        "weight_sync/version": float(version),
+    }
+
+
+async def _each(calls: Iterable) -> list:
+    """Await the coroutines ``calls`` concurrently."""
+    return await asyncio.gather(*calls)
+
+
 def _with_last_flag(buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
     """``(bucket, is_last)`` pairs, looking one bucket ahead."""
     previous = None
@@ -221,17 +307,15 @@ def sync_weights_from_trainer(
     """Blocking entry for a training rank (every rank calls it, see the module docstring): the transport is
     ``--update-weight-transport`` (default ``distributed``), buckets of ``--update-weight-buffer-size`` bytes."""
     transport = args.update_weight_transport or ("tensor" if args.colocate else "distributed")
+    buckets = trainer.iter_weight_buckets(args.update_weight_buffer_size)
     if transport == "tensor":
-        raise NotImplementedError(
-            "--update-weight-transport tensor (CUDA IPC) is not implemented yet; use distributed or disk"
-        )
+        return sync_weights_over_ipc(engine_urls, buckets, version, args.rollout_num_gpus_per_engine, rank)
     sender = None
     if transport == "distributed" and rank == 0:
         key = tuple(engine_urls)
         if key not in _senders:
             _senders[key] = DistributedWeightSender(engine_urls, args.rollout_num_gpus_per_engine)
         sender = _senders[key]
-    buckets = trainer.iter_weight_buckets(args.update_weight_buffer_size)
     return asyncio.run(
         sync_weights(
             engine_urls,

@@ -1,5 +1,5 @@
-"""vLLM worker extension for the ``distributed`` weight-sync transport (DESIGN.md §5), and the weight process
-group both sides build.
+"""vLLM worker extension for the ``distributed`` and ``tensor`` weight-sync transports (DESIGN.md §5), and the
+weight process group the ``distributed`` one builds on both sides.
 
 Start engines with ``--worker-extension-cls vime.backends.vllm_utils.worker_extension.VimeWorkerExtension``;
 vLLM mixes the class into every worker, so its methods run on each worker through ``POST /collective_rpc``
@@ -18,6 +18,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from vime.backends.vllm_utils.cuda_ipc import open_cuda_buffer, unflatten_bucket
 
 STORE_PREFIX = "vime_weight_sync"
 
@@ -54,6 +56,10 @@ def create_weight_group(
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
         device = torch.device("cuda", torch.cuda.current_device())
+        # NCCL builds its communicator at the first collective, blocking until every rank is there. Do it now,
+        # while all ranks are joining: the trainer issues later broadcasts before the engines hear of them.
+        group.broadcast(torch.zeros(1, device=device), 0).wait()
+        torch.cuda.synchronize(device)
     else:
         raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', not {backend!r}")
     return WeightGroup(store, group, device)
@@ -110,6 +116,15 @@ class VimeWorkerExtension:
             # (their weight_loader is gone); the worker's reload path restores the loaders and re-processes.
             self.reload_weights(weights_iterator=list(staged), is_checkpoint_format=True)
             staged.clear()
+
+    def update_weights_from_ipc(self, buffers: list[dict]) -> None:
+        """``tensor`` transport: map this worker's entry of ``buffers`` (``{"handle", "layout"}``, one per engine
+        worker, shared by the trainer rank on the same GPU) and load the bucket in place with the model's
+        ``load_weights`` (GPU only; the sender frees the buffer once this returns)."""
+        entry = buffers[self.rank]
+        weights = unflatten_bucket(open_cuda_buffer(entry["handle"]), entry["layout"])
+        self.model_runner.get_model().load_weights(weights=weights)
+        torch.cuda.synchronize()
 
     def destroy_weight_update_group(self) -> None:
         """Leave the weight group (drop this worker's members of it)."""
