@@ -21,6 +21,7 @@ MODEL_ARGS=(
    --moe-router-topk 8
    --moe-router-score-function sigmoid
    --moe-router-enable-expert-bias
+   --moe-router-bias-update-rate 0
    --moe-router-topk-scaling-factor 1.0
    --moe-router-num-groups 1
    --moe-router-group-topk 1

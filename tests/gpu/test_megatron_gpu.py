@@ -19,6 +19,23 @@ pytestmark = [
 # (prompt length, response length) of 6 samples: 3 groups of 2
 SHAPES = [(3, 2), (5, 7), (1, 4), (8, 1), (2, 9), (4, 4)]
 VOCAB = 61
+KINDS = ["dense", "moe", "llama", "glm4_moe"]  # the models the log-prob and HF round-trip tests cover
+
+
+def _save_random_init(path, model_cls, config, seed):
+    """Save a random-init ``model_cls(config)`` in fp32, with its MoE routers spread out so routing matters."""
+    torch.manual_seed(seed)
+    model = model_cls(config).float()
+    with torch.no_grad():  # the default init leaves router logits near zero; spread them so routing matters
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)  # the router (dense MLPs have gate_proj, not gate)
+            if gate is None:
+                continue
+            gate.weight.normal_(0, 0.5)
+            if hasattr(gate, "e_score_correction_bias"):  # GLM-4.5: experts are chosen by sigmoid + this bias
+                gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+    model.save_pretrained(path)
+    return path
 
 
 def build_moe(path, seed=0):
@@ -31,13 +48,37 @@ def build_moe(path, seed=0):
         num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=512,
         rope_theta=1000000.0, dtype="float32",
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).float()
-    with torch.no_grad():  # the default init leaves router logits near zero; spread them so routing matters
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0, 0.5)
-    model.save_pretrained(path)
-    return path
+    return _save_random_init(path, Qwen3MoeForCausalLM, config, seed)
+
+
+def build_llama(path, seed=0):
+    """A small random-init Llama 3.1-style model (GQA, rope_theta 5e5 with llama3 RoPE scaling, untied)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters=rope, tie_word_embeddings=False, dtype="float32",
+    )  # fmt: skip
+    return _save_random_init(path, LlamaForCausalLM, config, seed)
+
+
+def build_glm4_moe(path, seed=0):
+    """A small random-init GLM-4.5 (glm4_moe): first layer dense, then 4 experts top-2 + 1 shared expert, sigmoid
+    router with expert bias, half the head dim rotated, qkv bias; no MTP layer."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    config = Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        partial_rotary_factor=0.5, attention_bias=True, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+        use_qk_norm=False, tie_word_embeddings=False, num_nextn_predict_layers=0, max_position_embeddings=512,
+        rope_theta=1000000.0, rms_norm_eps=1e-5, dtype="float32",
+    )  # fmt: skip
+    return _save_random_init(path, Glm4MoeForCausalLM, config, seed)
 
 
 def build_dense(path, seed=0):
@@ -92,10 +133,11 @@ def mean_abs_diff(a, b):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
-    return {"dense": str(build_dense(root / "dense")), "moe": str(build_moe(root / "moe"))}
+    builders = {"dense": build_dense, "moe": build_moe, "llama": build_llama, "glm4_moe": build_glm4_moe}
+    return {kind: str(build(root / kind)) for kind, build in builders.items()}
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_log_probs_match_transformers(models, kind):
     from vime.backends.megatron_utils.trainer import MegatronTrainer
 
@@ -117,7 +159,7 @@ def test_log_probs_match_transformers(models, kind):
     assert mean_abs_diff(got_bf16, want) < 0.1
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_hf_round_trip_is_bit_exact(models, kind, tmp_path):
     from safetensors.torch import load_file
 

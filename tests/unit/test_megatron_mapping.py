@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 from vime.backends.megatron_utils import hf_mapping
 from vime.backends.megatron_utils.config import role_overrides
-from vime.backends.megatron_utils.hf_config import check_hf_config, flags_from_hf_config, flags_to_argv
+from vime.backends.megatron_utils.hf_config import (
+    check_hf_config,
+    flags_from_hf_config,
+    flags_to_argv,
+    load_hf_config,
+)
 from vime.backends.megatron_utils.hf_mapping import AttentionShape
 
 
@@ -132,3 +139,115 @@ def test_model_scripts_parse(script):
 
 def test_qwen3_4b_script_matches_its_config():
     check_hf_config(_args(_model_args("qwen3-4B.sh")), QWEN3_4B)
+
+
+LLAMA3_8B = {
+    "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+    "rope_scaling": None, "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False,
+    "mlp_bias": False, "tie_word_embeddings": False, "vocab_size": 128256,
+}  # fmt: skip
+GLM45_AIR = {
+    "model_type": "glm4_moe", "num_hidden_layers": 46, "hidden_size": 4096, "intermediate_size": 10944,
+    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+    "max_position_embeddings": 131072, "rope_theta": 1000000, "rope_scaling": None, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "attention_bias": True, "use_qk_norm": False, "tie_word_embeddings": False,
+    "vocab_size": 151552, "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1408, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 1,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("script,config", [("llama3-8B.sh", LLAMA3_8B), ("glm4.5-air.sh", GLM45_AIR)])
+def test_llama3_and_glm45_scripts_match_their_configs(script, config):
+    check_hf_config(_args(_model_args(script)), config)
+
+
+def test_llama3_rope_scaling_and_glm45_routing_megatron_cannot_reproduce_are_refused():
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
+    assert flags_from_hf_config({**LLAMA3_8B, "rope_scaling": llama31})["rope_scaling_factor"] == 8.0
+    with pytest.raises(ValueError, match="Megatron-Core fixes"):  # it hard-codes all but the factor
+        flags_from_hf_config({**LLAMA3_8B, "rope_scaling": {**llama31, "high_freq_factor": 2.0}})
+    with pytest.raises(ValueError, match="'yarn'"):  # not silently plain RoPE
+        flags_from_hf_config({**LLAMA3_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="norm_topk_prob=false"):  # Megatron always renormalises the top k
+        flags_from_hf_config({**GLM45_AIR, "norm_topk_prob": False})
+
+
+@pytest.fixture(scope="module")
+def gpu_test_module():
+    """tests/gpu/test_megatron_gpu.py: its model builders and make_args need transformers only, not CUDA."""
+    path = Path(__file__).resolve().parents[1] / "gpu" / "test_megatron_gpu.py"
+    spec = importlib.util.spec_from_file_location("_megatron_gpu_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(gpu_test_module, tmp_path_factory):
+    """The tiny random-init HF Llama 3 and GLM-4.5 checkpoints the GPU tests run."""
+    root = tmp_path_factory.mktemp("hf")
+    return {
+        "llama": gpu_test_module.build_llama(root / "llama"),
+        "glm4_moe": gpu_test_module.build_glm4_moe(root / "glm4_moe"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["llama", "glm4_moe"])
+def test_tiny_llama_and_glm45_flags_parse_and_pass_the_check(gpu_test_module, tiny_hf, kind, monkeypatch):
+    from vime.utils import arg_validation
+
+    # parse_args refuses --train-backend megatron without megatron-core and CUDA; everything else is checked
+    monkeypatch.setattr(arg_validation, "_check_backend", lambda args: None)
+    args = gpu_test_module.make_args(tiny_hf[kind])
+    assert args.train_backend == "megatron"
+    check_hf_config(args, load_hf_config(tiny_hf[kind]))  # the trainer's start-up check
+
+
+def test_tiny_llama_and_glm45_flags(tiny_hf):
+    llama = flags_from_hf_config(load_hf_config(tiny_hf["llama"]))
+    assert llama["rotary_base"] == 500000 and llama["rotary_percent"] == 1.0
+    assert llama["use_rope_scaling"] and llama["rope_scaling_factor"] == 8.0
+    assert llama["num_query_groups"] == 2 and llama["group_query_attention"] and llama["kv_channels"] == 64
+    assert not (llama["add_qkv_bias"] or llama["qk_layernorm"] or llama["add_bias_linear"])
+    assert llama["untie_embeddings_and_output_weights"] and "num_experts" not in llama
+
+    glm = flags_from_hf_config(load_hf_config(tiny_hf["glm4_moe"]))
+    assert glm["moe_layer_freq"] == "([0]*1+[1]*2)"  # first_k_dense_replace=1
+    assert glm["num_experts"] == 4 and glm["moe_router_topk"] == 2 and glm["moe_ffn_hidden_size"] == 64
+    assert glm["ffn_hidden_size"] == 256 and glm["moe_shared_expert_intermediate_size"] == 64
+    assert glm["moe_router_score_function"] == "sigmoid" and glm["moe_router_enable_expert_bias"]
+    assert glm["moe_router_topk_scaling_factor"] == 1.0
+    assert glm["moe_router_num_groups"] == 1 and glm["moe_router_group_topk"] == 1
+    assert glm["rotary_percent"] == 0.5 and glm["rotary_base"] == 1000000 and not glm["use_rope_scaling"]
+    assert glm["add_qkv_bias"] and not glm["add_bias_linear"] and not glm["qk_layernorm"]
+    assert glm["untie_embeddings_and_output_weights"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "glm4_moe"])
+def test_every_tiny_llama_and_glm45_tensor_maps_to_megatron_and_back(tiny_hf, kind):
+    from safetensors.torch import load_file
+
+    hf = load_file(Path(tiny_hf[kind]) / "model.safetensors")
+    flags = flags_from_hf_config(load_hf_config(tiny_hf[kind]))
+    shape = AttentionShape(flags["num_attention_heads"], flags["num_query_groups"], flags["kv_channels"])
+    mcore = {hf_mapping.mcore_name(n) for n in hf}
+    again = {}
+    for name in mcore:
+        names, layout = hf_mapping.hf_names(name)
+        full = hf_mapping.to_mcore(layout, [hf[n] for n in names], shape)
+        again.update(zip(names, hf_mapping.to_hf(layout, full, shape), strict=True))
+    assert sorted(again) == sorted(hf)
+    assert all(torch.equal(again[n], t) for n, t in hf.items())
+    if kind == "glm4_moe":  # layer 0 dense; layers 1-2: router with expert bias, 4 experts, a shared expert
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in mcore
+        assert not any(n.startswith("decoder.layers.0.mlp.router") for n in mcore)
+        moe = {n.split(".", 3)[3] for n in mcore if n.startswith("decoder.layers.2.mlp.")}
+        assert moe == {
+            "mlp.router.weight", "mlp.router.expert_bias", "mlp.shared_experts.linear_fc1.weight",
+            "mlp.shared_experts.linear_fc2.weight",
+            *(f"mlp.experts.local_experts.{e}.linear_fc{i}.weight" for e in range(4) for i in (1, 2)),
+        }  # fmt: skip
+        assert "decoder.layers.1.self_attention.linear_qkv.bias" in mcore

@@ -22,12 +22,29 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
     return json.loads(file.read_text())
 
 
+# what Megatron-Core's llama3 RoPE scaling hard-codes (RotaryEmbedding._apply_scaling)
+_MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192.0,
+}
+
+
 def _rope(config: dict) -> tuple[float, dict]:
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
     theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     merged = {**scaling, **params, "rope_type": kind}
+    if kind not in ("default", "llama3"):
+        raise ValueError(
+            f"RoPE type {kind!r} (config.json): Megatron's RoPE here supports default and llama3 only"
+        )
+    if kind == "llama3" and any(float(merged.get(k, v)) != v for k, v in _MEGATRON_LLAMA3_ROPE.items()):
+        raise ValueError(
+            f"llama3 RoPE scaling {merged} (config.json): Megatron-Core fixes {_MEGATRON_LLAMA3_ROPE} "
+            "(only the factor is a flag)"
+        )
     return float(theta), merged
 
 
@@ -70,6 +87,11 @@ def flags_from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
             moe_router_topk=config["num_experts_per_tok"],
         )
         if model_type == "glm4_moe":
+            if not config.get("norm_topk_prob", True):
+                raise ValueError(
+                    "glm4_moe with norm_topk_prob=false (config.json): Megatron always renormalises the top-k "
+                    "sigmoid scores"
+                )
             dense = config.get("first_k_dense_replace", 0)
             flags.update(
                 moe_router_score_function="sigmoid",

@@ -147,6 +147,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
             moe_router_score_function=args.moe_router_score_function,
             moe_router_dtype=args.moe_router_dtype or "fp32",
             moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
             moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
             moe_router_num_groups=args.moe_router_num_groups,
             moe_router_group_topk=args.moe_router_group_topk,
