@@ -137,7 +137,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     if args.normalization != "RMSNorm":
         raise ValueError("the Megatron backend supports --normalization RMSNorm models only")
     dtype = compute_dtype(args)
-    moe = {}
+    # mcore refuses its default "allgather" dispatcher with variable sequence lengths (PP > 1) even in a
+    # dense model, where no dispatcher runs
+    moe = {"moe_token_dispatcher_type": "alltoall"}
     if args.num_experts:
         moe = dict(
             num_moe_experts=args.num_experts,

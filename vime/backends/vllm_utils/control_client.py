@@ -83,8 +83,10 @@ class EngineControlClient:
         return bool((await self._call("is_paused", "GET", "/is_paused"))["is_paused"])
 
     async def reset_prefix_cache(self) -> bool:
-        """Drop cached KV blocks (stale after a weight update). False if vLLM could not (blocks in use)."""
-        return bool((await self._call("reset_prefix_cache", "POST", "/reset_prefix_cache"))["success"])
+        """Drop cached KV blocks (stale after a weight update). False if vLLM could not (blocks in use); vLLM
+        0.25 answers with an empty body and no verdict, taken as success."""
+        body = await self._call("reset_prefix_cache", "POST", "/reset_prefix_cache")
+        return True if body is None else bool(body["success"])
 
     async def collective_rpc(
         self, method: str, args: list | None = None, kwargs: dict | None = None
