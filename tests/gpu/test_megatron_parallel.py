@@ -1,5 +1,6 @@
-"""TP=2, EP=2 and PP=2 give the same log-probs, HF export and SGD step as TP=1, on 2 GPUs. The pytest test launches this
-file under ``torchrun --nproc-per-node 2``; the ``__main__`` part is the per-rank worker."""
+"""TP=2, EP=2, PP=2 and activation recompute give the same log-probs, HF export and SGD step as TP=1, on
+2 GPUs. The pytest test launches this file under ``torchrun --nproc-per-node 2``; the ``__main__`` part is the
+per-rank worker."""
 
 from __future__ import annotations
 
@@ -57,7 +58,10 @@ def _worker(root: Path) -> None:
         ("moe", "tp2-etp1", ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
         ("dense", "pp2", ["--pipeline-model-parallel-size", "2"]),
         ("moe", "pp2", ["--pipeline-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
-    ]
+        ("dense", "recompute", ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                "--recompute-num-layers", "1"]),
+        ("moe", "recompute", ["--recompute-granularity", "selective"]),
+    ]  # fmt: skip
     for kind, name, extra in cases:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
