@@ -227,9 +227,7 @@ def sync_weights_over_ipc(
             shared = None
             if rank < num_workers:
                 buffer, layout = flatten_bucket(bucket, device)
-                torch.cuda.current_stream(
-                    device
-                ).synchronize()  # the copy is done before another process reads
+                torch.cuda.current_stream(device).synchronize()  # copied before another process reads it
                 shared = {"handle": share_cuda_buffer(buffer), "layout": layout}
             everyone: list = [None] * world_size
             dist.all_gather_object(everyone, shared)
