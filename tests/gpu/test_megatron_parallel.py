@@ -1,6 +1,6 @@
-"""TP=2, EP=2, PP=2 and activation recompute give the same log-probs, HF export and SGD step as TP=1, on
-2 GPUs. The pytest test launches this file under ``torchrun --nproc-per-node 2``; the ``__main__`` part is the
-per-rank worker."""
+"""TP=2 (with and without sequence parallelism), EP=2, PP=2, CP=2 and activation recompute give the same
+log-probs, HF export and SGD step as TP=1, on 2 GPUs. The pytest test launches this file under
+``torchrun --nproc-per-node 2``; the ``__main__`` part is the per-rank worker."""
 
 from __future__ import annotations
 
@@ -61,7 +61,14 @@ def _worker(root: Path) -> None:
         ("dense", "recompute", ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                 "--recompute-num-layers", "1"]),
         ("moe", "recompute", ["--recompute-granularity", "selective"]),
+        ("dense", "tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("moe", "tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("dense", "cp2", ["--context-parallel-size", "2"]),
+        ("moe", "cp2", ["--context-parallel-size", "2"]),
     ]  # fmt: skip
+    if os.environ.get("VIME_PARALLEL_CASES"):  # e.g. "dense:tp2-sp,moe:cp2" (each kind's tp1 always runs)
+        wanted = set(os.environ["VIME_PARALLEL_CASES"].split(","))
+        cases = [c for c in cases if c[1] == "tp1" or f"{c[0]}:{c[1]}" in wanted]
     for kind, name, extra in cases:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -72,8 +79,13 @@ def _worker(root: Path) -> None:
         log_probs = trainer.compute_log_probs(samples)
         exported = {n: t.cpu() for b in trainer.iter_weight_buckets(1 << 20) for n, t in b}
         trained = None
-        if kind == "dense" or not name.startswith("tp2"):  # mcore refuses MoE + TP training without SP
-            trainer.train(0, samples, [1.0, -1.0] * 3)
+        if kind == "dense" or name == "tp2-sp" or not name.startswith("tp2"):  # MoE + TP trains with SP only
+            metrics = trainer.train(0, samples, [1.0, -1.0] * 3)
+            if rank == 0:
+                print(
+                    f"[{kind} {name}] loss {metrics.get('loss')} grad norm {metrics['grad_norm']:.6e}",
+                    flush=True,
+                )
             trained = {n: t.cpu() for b in trainer.iter_weight_buckets(1 << 20) for n, t in b}
         results[(kind, name)] = (log_probs, exported, trained)
         del trainer
@@ -84,14 +96,16 @@ def _worker(root: Path) -> None:
             continue
         base_lp, base_w, base_t = results[(kind, "tp1")]
         lp, w, t = results[(kind, name)]
-        step_diff = max(float((t[n] - base_t[n]).abs().max()) for n in base_t) if t is not None else None
+        step_diff, worst_tensor = (
+            max((float((t[n] - base_t[n]).abs().max()), n) for n in base_t) if t is not None else (None, None)
+        )
         if rank == 0 and t is not None:
             print(
-                f"[{kind} {name} vs tp1] one SGD step: largest updated-weight diff {step_diff:.3e}",
+                f"[{kind} {name} vs tp1] one SGD step: largest updated-weight diff {step_diff:.3e} ({worst_tensor})",
                 flush=True,
             )
         if t is not None and not step_diff <= 1e-5:
-            failures.append((kind, name, "train step", step_diff))
+            failures.append((kind, name, "train step", step_diff, worst_tensor))
         diff = mean_abs_diff(lp, base_lp)
         worst = max(float((a - b).abs().max()) for a, b in zip(lp, base_lp, strict=True))
         same_weights = sorted(w) == sorted(base_w) and all(torch.equal(w[n], base_w[n]) for n in base_w)

@@ -126,13 +126,18 @@ class TrainerBase:
         """Element-wise maximum over the data-parallel ranks."""
         raise NotImplementedError
 
+    def _micro_batch_token_budget(self) -> int | None:
+        """Tokens a packed micro-batch may hold (``--max-tokens-per-gpu``: one GPU holds the whole row)."""
+        return self.args.max_tokens_per_gpu
+
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         """Sample indices of each micro-batch (``--micro-batch-size``, or packed up to ``--max-tokens-per-gpu``
         with ``--use-dynamic-batch-size``). Every data-parallel rank gets the same number of micro-batches
         (collectives run per forward/backward), so ranks must hold equally many samples."""
         args = self.args
         lengths = [len(s.tokens) for s in samples]
-        needed = min_micro_batches(lengths, args.max_tokens_per_gpu) if args.use_dynamic_batch_size else 0
+        budget = self._micro_batch_token_budget()
+        needed = min_micro_batches(lengths, budget) if args.use_dynamic_batch_size else 0
         most, minus_fewest, num_micro_batches = self._reduce_max([len(samples), -len(samples), needed])
         if most != -minus_fewest:
             raise ValueError(
@@ -140,7 +145,7 @@ class TrainerBase:
                 "vime.utils.train_data.split_rollout so every rank gets the same number"
             )
         if args.use_dynamic_batch_size:
-            return dynamic_micro_batches(lengths, args.max_tokens_per_gpu, num_micro_batches)
+            return dynamic_micro_batches(lengths, budget, num_micro_batches)
         return fixed_micro_batches(len(samples), args.micro_batch_size)
 
     def _micro_batch_inputs(

@@ -182,7 +182,27 @@ def _check_data(args: argparse.Namespace) -> None:
         raise ValueError("--num-rollout and --num-epoch both set; pass one (--num-epoch sets --num-rollout)")
 
 
+_MEGATRON_PARALLELISM = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
+
+
 def _check_backend(args: argparse.Namespace) -> None:
+    if args.train_backend == "fsdp":
+        used = [
+            f"--{n.replace('_', '-')} {getattr(args, n)}"
+            for n in _MEGATRON_PARALLELISM
+            if getattr(args, n) > 1
+        ]
+        used += ["--sequence-parallel"] * bool(args.sequence_parallel)
+        if used:
+            raise ValueError(
+                f"{', '.join(used)}: the fsdp backend shards over data-parallel ranks only; these are Megatron "
+                "flags (use --train-backend megatron)"
+            )
     if args.train_backend != "megatron" or args.debug_rollout_only:
         return
     if args.advantage_estimator == "ppo":

@@ -1,8 +1,9 @@
 """Build a Megatron-Core ``GPTModel`` from the Megatron flags, with the local (non-TransformerEngine) layer spec.
 
-TransformerEngine is not a dependency: its attention is the only one in Megatron-Core that takes packed
-(THD) batches, so this module brings :class:`PackedCoreAttention`, the local core attention that does, on
-``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU).
+TransformerEngine is not a dependency. Its attention is the only one in Megatron-Core that takes packed (THD)
+batches or context parallelism, and its norms the only ones that take sequence parallelism, so this module
+brings :class:`PackedCoreAttention` (packed, context-parallel attention on
+``torch.nn.functional.scaled_dot_product_attention``) and :class:`RMSNorm` (sequence-parallel aware).
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vime.backends.megatron_utils.hf_mapping import padded_vocab_size
+from vime.backends.megatron_utils.packed_layout import PackedLayout, attend_blocks
 
 
 class PackedCoreAttention(MegatronModule):
-    """Causal softmax attention for THD-packed batches (``packed_seq_params.qkv_format == "thd"``) and for
-    plain ``[s, b, heads, dim]`` batches. Each packed sequence attends only to itself; grouped-query attention
-    maps query head ``h`` to key/value group ``h // (heads / groups)``, Megatron's layout."""
+    """Causal softmax attention for THD-packed batches laid out by :class:`PackedLayout` (attached to the
+    ``PackedSeqParams`` by :func:`packed_seq_params`). Each packed sequence attends only to itself; with context
+    parallelism the keys and values of every CP rank are all-gathered first (their gradients reduce-scattered
+    back). Grouped-query attention maps query head ``h`` to key/value group ``h // (heads / groups)``."""
 
     def __init__(
         self,
@@ -40,22 +44,7 @@ class PackedCoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("--context-parallel-size > 1 needs TransformerEngine attention (not installed)")
         self.softmax_scale = softmax_scale or config.kv_channels**-0.5
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [b, heads, s, d]; k, v [b, groups, s, d]
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
 
     def forward(
         self,
@@ -67,45 +56,36 @@ class PackedCoreAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        if attention_bias is not None:
-            raise ValueError("PackedCoreAttention does not take an attention bias")
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            # query [t, heads, d], key/value [t, groups, d]
-            bounds = _host_bounds(packed_seq_params)
-            q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            out = torch.cat(
-                [self._attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in bounds], dim=2
+        layout = getattr(packed_seq_params, "_vime_layout", None)
+        if layout is None or attention_bias is not None:
+            raise ValueError("PackedCoreAttention takes packed batches from packed_seq_params() and no bias")
+        # query [t, heads, d], key/value [t, groups, d]
+        if layout.cp_size > 1:
+            group = parallel_state.get_context_parallel_group()
+            key, value = (
+                gather_from_sequence_parallel_region(x, group=group).index_select(0, layout.gathered_index)
+                for x in (key, value)
             )
-            return out[0].transpose(0, 1).reshape(query.shape[0], -1)
-        # [s, b, heads, d]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = self._attend(q, k, v)  # [b, heads, s, d]
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+        return attend_blocks(query, key, value, layout.query_blocks(), self.softmax_scale)
 
 
-def _host_bounds(params: PackedSeqParams) -> list[tuple[int, int]]:
-    """``(start, end)`` of each packed sequence, read from the device once per batch (cached on ``params``)."""
-    bounds = getattr(params, "_vime_bounds", None)
-    if bounds is None:
-        cu = params.cu_seqlens_q.tolist()
-        bounds = list(zip(cu[:-1], cu[1:], strict=True))
-        params._vime_bounds = bounds
-    return bounds
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` built from Megatron's arguments. With sequence parallelism each TP rank normalises
+    different tokens, so the weight is tagged for ``finalize_model_grads`` to sum its gradient over TP."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
-def packed_seq_params(lengths: list[int], device: torch.device) -> PackedSeqParams:
-    """THD ``PackedSeqParams`` for sequences of ``lengths`` packed into one row."""
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    cu = cu.to(device)
+def packed_seq_params(layout: PackedLayout) -> PackedSeqParams:
+    """THD ``PackedSeqParams`` of a packed micro-batch's (padded) sequences, carrying ``layout``."""
+    cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device=layout.device)
+    longest = max(layout.padded_lengths)
     params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=max(lengths),
-        max_seqlen_kv=max(lengths),
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
-    params._vime_bounds = [(int(a), int(b)) for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:], strict=True)]
+    params._vime_layout = layout
     return params
 
 
@@ -132,8 +112,6 @@ def _moe_layer_freq(value) -> int | list[int]:
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     """The ``TransformerConfig`` of the Megatron flags (dropout off: PPO ratios need a deterministic policy)."""
-    if args.sequence_parallel:
-        raise ValueError("--sequence-parallel needs TransformerEngine norms; the local layer spec has none")
     if args.normalization != "RMSNorm":
         raise ValueError("the Megatron backend supports --normalization RMSNorm models only")
     dtype = compute_dtype(args)
@@ -175,7 +153,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
-        sequence_parallel=False,
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
         normalization="RMSNorm",
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,
@@ -218,11 +196,14 @@ def build_gpt_model(
     HF vocabulary (padded to ``--make-vocab-size-divisible-by`` x TP here)."""
     config = config or transformer_config(args)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    spec.layer_norm = WrappedTorchNorm
+    spec.layer_norm = RMSNorm
     for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = PackedCoreAttention
-        layer.submodules.input_layernorm = WrappedTorchNorm
-        layer.submodules.pre_mlp_layernorm = WrappedTorchNorm
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = PackedCoreAttention
+        if attention.q_layernorm is not IdentityOp:  # Qwen3's per-head q/k norms
+            attention.q_layernorm = attention.k_layernorm = RMSNorm
+        layer.submodules.input_layernorm = RMSNorm
+        layer.submodules.pre_mlp_layernorm = RMSNorm
     position = "rope" if args.use_rotary_position_embeddings else args.position_embedding_type
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = GPTModel(

@@ -28,6 +28,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from vime.backends.megatron_utils import checkpoint, weights
 from vime.backends.megatron_utils.config import apply_megatron_config, load_hook
@@ -39,12 +40,11 @@ from vime.backends.megatron_utils.model import (
     packed_seq_params,
     transformer_config,
 )
+from vime.backends.megatron_utils.packed_layout import PackedLayout
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import init_distributed
 from vime.utils.loss import policy_loss
-from vime.utils.train_data import (
-    pack_samples,
-)
+from vime.utils.train_data import PackedBatch, pack_samples
 from vime.utils.types import Sample
 
 ROLES = ("actor",)
@@ -232,27 +232,89 @@ class MegatronTrainer(TrainerBase):
     def compute_values(self, samples: list[Sample]) -> PerSample:
         raise NotImplementedError("the Megatron backend has no critic yet; use --train-backend fsdp for ppo")
 
+    def _micro_batch_token_budget(self) -> int | None:
+        """``--max-tokens-per-gpu`` x CP: context parallelism spreads a micro-batch's row over the CP ranks."""
+        budget = self.args.max_tokens_per_gpu
+        return budget * parallel_state.get_context_parallel_world_size() if budget else budget
+
     def _reduce_max(self, values: list[int]) -> list[int]:
         return [int(v) for v in _dp_reduce(values, op=dist.ReduceOp.MAX)]
+
+    def _model_batch(self, packed: PackedBatch, **extra) -> dict:
+        """A packed micro-batch as this rank feeds it to the model: padded and split for SP/CP
+        (:class:`PackedLayout`), with the local logit rows and their labels."""
+        layout = PackedLayout.for_parallelism(
+            packed.total_lengths,
+            parallel_state.get_tensor_model_parallel_world_size(),
+            self.config.sequence_parallel,
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_context_parallel_rank(),
+            "cuda",
+        )
+        rows, order = layout.logit_rows(packed.logit_indices())
+        local = layout.local_positions
+        return dict(
+            packed=packed,
+            input_ids=layout.pad(packed.input_ids.cuda())[local],
+            position_ids=layout.pad(packed.position_ids.cuda())[local],
+            params=packed_seq_params(layout),
+            rows=rows,
+            labels=layout.labels(packed.input_ids, rows),
+            order=order,
+            **extra,
+        )
 
     def _forward_step(self, loss_func: Callable, data_iterator, model):
         """Megatron schedule callback: forward one packed micro-batch; logits only at response-predicting rows."""
         mb = next(data_iterator)
-        packed = mb["packed"]
-        index = packed.logit_indices().cuda()
 
         def select_logits(hidden_states, output_layer, output_weight, **_):
-            logits, _ = output_layer(hidden_states.index_select(0, index), weight=output_weight)
+            sequence_parallel = output_layer.sequence_parallel
+            if sequence_parallel:
+                # every TP rank holds a slice of the rows: gather them, then select. The output layer, run without
+                # its own gather, all-reduces its input gradient, so the gather's backward only keeps this
+                # rank's slice (no second reduction).
+                hidden_states = gather_from_sequence_parallel_region(
+                    hidden_states, tensor_parallel_output_grad=False
+                )
+            output_layer.sequence_parallel = False
+            try:
+                logits, _ = output_layer(hidden_states.index_select(0, mb["rows"]), weight=output_weight)
+            finally:
+                output_layer.sequence_parallel = sequence_parallel
             return logits[:, 0, :]
 
         output = model(
-            packed.input_ids.cuda().unsqueeze(0),
-            packed.position_ids.cuda().unsqueeze(0),
+            mb["input_ids"].unsqueeze(0),
+            mb["position_ids"].unsqueeze(0),
             None,
-            packed_seq_params=packed_seq_params(packed.total_lengths, torch.device("cuda")),
+            packed_seq_params=mb["params"],
             output_processor=select_logits,
         )
         return output, partial(loss_func, mb)
+
+    def _token_log_probs(
+        self, mb: dict, logits: torch.Tensor, with_entropy: bool = False, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) of the micro-batch's response tokens, in order. With CP each rank computes its
+        own rows, then they are all-gathered: every CP rank computes the same loss, and the gather's backward
+        hands each rank the gradient of its own rows."""
+        log_probs, entropy = vocab_parallel_log_probs(
+            logits,
+            mb["labels"],
+            self.args.rollout_temperature,
+            self.hf_vocab_size,
+            with_entropy,
+            entropy_grad,
+        )
+        if mb["order"] is None:
+            return log_probs, entropy
+        group = parallel_state.get_context_parallel_group()
+
+        def gather(x):
+            return gather_from_sequence_parallel_region(x, False, group).index_select(0, mb["order"])
+
+        return gather(log_probs), (gather(entropy) if entropy is not None else None)
 
     def _run_schedule(self, model, mbs: list[dict], loss_func: Callable, forward_only: bool) -> None:
         get_forward_backward_func()(
@@ -260,7 +322,7 @@ class MegatronTrainer(TrainerBase):
             data_iterator=iter(mbs),
             model=[model],
             num_microbatches=len(mbs),
-            seq_length=max(len(mb["packed"].input_ids) for mb in mbs),
+            seq_length=max(len(mb["input_ids"]) for mb in mbs),
             micro_batch_size=1,
             forward_only=forward_only,
         )
@@ -268,14 +330,12 @@ class MegatronTrainer(TrainerBase):
     def _forward(self, model, samples: list[Sample]) -> PerSample:
         out: PerSample = [torch.empty(0)] * len(samples)
         mbs = [
-            {"indices": mb, "packed": pack_samples([samples[i] for i in mb])}
+            self._model_batch(pack_samples([samples[i] for i in mb]), indices=mb)
             for mb in self._micro_batches(samples)
         ]
-        temperature, vocab = self.args.rollout_temperature, self.hf_vocab_size
 
         def collect(mb, logits):
-            labels = mb["packed"].input_ids.cuda()[mb["packed"].logit_indices().cuda() + 1]
-            log_probs, _ = vocab_parallel_log_probs(logits, labels, temperature, vocab)
+            log_probs, _ = self._token_log_probs(mb, logits)
             for i, piece in zip(mb["indices"], log_probs.split(mb["packed"].response_lengths), strict=True):
                 out[i] = piece.float()
             return torch.zeros((), device="cuda"), torch.tensor(0, dtype=torch.int, device="cuda"), {}
@@ -319,16 +379,12 @@ class MegatronTrainer(TrainerBase):
         args = self.args
         start = time.perf_counter()
         inputs, total_tokens = self._micro_batch_inputs(samples, masks, data, torch.device("cuda"))
-        mbs = [{"indices": mb, "packed": packed, "batch": batch} for mb, packed, batch in inputs]
+        mbs = [self._model_batch(packed, indices=mb, batch=batch) for mb, packed, batch in inputs]
         sums: dict[str, float] = {}
         entropy_grad = bool(args.entropy_coef) or self.loss_fn is not policy_loss
 
         def loss_func(mb, logits):
-            packed = mb["packed"]
-            labels = packed.input_ids.cuda()[packed.logit_indices().cuda() + 1]
-            log_probs, entropy = vocab_parallel_log_probs(
-                logits, labels, args.rollout_temperature, self.hf_vocab_size, True, entropy_grad
-            )
+            log_probs, entropy = self._token_log_probs(mb, logits, True, entropy_grad)
             loss, metrics = self.loss_fn(args, mb["batch"], log_probs, entropy)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)

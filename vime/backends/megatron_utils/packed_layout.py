@@ -1,0 +1,167 @@
+"""Where the tokens of a packed micro-batch live when Megatron splits the sequence dimension, and causal
+attention over that layout.
+
+*Sequence parallelism* (SP) splits the packed row evenly over the tensor-parallel ranks between the layers, so
+the row's length must be a multiple of TP. *Context parallelism* (CP) gives CP rank ``r`` two of the ``2·cp``
+equal chunks of every sequence, chunk ``r`` and chunk ``2·cp-1-r`` (so every rank does the same causal work):
+the layout Megatron-Core's packed (THD) RoPE expects. Every sequence is padded at its end to a multiple of
+``2·cp`` (times TP with SP); pad tokens come after the real ones, so causal attention keeps them out of every
+real token's output.
+
+Plain torch, no Megatron import: the layout is built on the host once per micro-batch and tested on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class PackedLayout:
+    """A packed row of sequences of ``lengths``, each padded to a multiple of ``multiple``, of which this rank
+    (``cp_rank`` of ``cp_size``) holds the CP layout's share. Index tensors are on ``device``."""
+
+    lengths: list[int]
+    cp_size: int = 1
+    cp_rank: int = 0
+    multiple: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self):
+        if self.cp_size > 1 and self.multiple % (2 * self.cp_size):
+            raise ValueError(f"multiple={self.multiple} must be a multiple of 2 x cp_size={self.cp_size}")
+        self.padded_lengths = [_round_up(n, self.multiple) for n in self.lengths]
+        self.cu_seqlens = [0, *accumulate(self.padded_lengths)]  # padded starts, then the padded total
+
+    @classmethod
+    def for_parallelism(
+        cls, lengths: list[int], tp_size: int, sequence_parallel: bool, cp_size: int, cp_rank: int, device
+    ) -> PackedLayout:
+        """The layout Megatron needs for ``lengths`` under the given SP and CP."""
+        multiple = (2 * cp_size if cp_size > 1 else 1) * (tp_size if sequence_parallel else 1)
+        return cls(lengths, cp_size, cp_rank, multiple, torch.device(device))
+
+    @property
+    def local_length(self) -> int:
+        """Tokens this CP rank holds (the same on every CP rank)."""
+        return self.cu_seqlens[-1] // self.cp_size
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Padded-row positions that CP rank ``rank`` holds, in its local order (CPU)."""
+        if self.cp_size == 1:
+            return torch.arange(self.cu_seqlens[-1])
+        pieces = []
+        for start, length in zip(self.cu_seqlens[:-1], self.padded_lengths, strict=True):
+            chunk = length // (2 * self.cp_size)
+            for index in (rank, 2 * self.cp_size - 1 - rank):
+                pieces.append(torch.arange(start + index * chunk, start + (index + 1) * chunk))
+        return torch.cat(pieces)
+
+    @cached_property
+    def local_positions(self) -> torch.Tensor:
+        """Padded-row positions this rank holds, in local order."""
+        return self.positions(self.cp_rank).to(self.device)
+
+    @cached_property
+    def _gathered_index_cpu(self) -> torch.Tensor:
+        gathered = torch.cat([self.positions(r) for r in range(self.cp_size)])
+        index = torch.empty_like(gathered)
+        index[gathered] = torch.arange(len(gathered))
+        return index
+
+    @cached_property
+    def gathered_index(self) -> torch.Tensor:
+        """For each padded-row position, its row in the CP all-gather of every rank's local rows (rank-major)."""
+        return self._gathered_index_cpu.to(self.device)
+
+    def pad(self, row: torch.Tensor, value: int = 0) -> torch.Tensor:
+        """The unpadded packed ``row`` ([T, ...]) laid out on the padded row, pads filled with ``value``."""
+        out = row.new_full((self.cu_seqlens[-1], *row.shape[1:]), value)
+        out[self.to_padded(torch.arange(len(row))).to(row.device)] = row
+        return out
+
+    def to_padded(self, index: torch.Tensor) -> torch.Tensor:
+        """Unpadded packed-row positions -> padded-row positions (CPU)."""
+        shift = torch.tensor(
+            [p - u for p, u in zip(self.cu_seqlens, accumulate(self.lengths, initial=0), strict=True)]
+        )
+        sequence = torch.bucketize(index, torch.tensor(list(accumulate(self.lengths))), right=True)
+        return index + shift[sequence]
+
+    def query_blocks(self) -> list[tuple[int, int, int, int]]:
+        """``(q_start, q_end, k_start, k_end)``: local query rows and the padded-row key range they attend to;
+        each block's queries are the last ``q_end - q_start`` positions of its key range (causal)."""
+        if self.cp_size == 1:
+            return [(s, e, s, e) for s, e in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
+        blocks, offset = [], 0
+        for start, length in zip(self.cu_seqlens[:-1], self.padded_lengths, strict=True):
+            chunk = length // (2 * self.cp_size)
+            for index in (self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank):
+                blocks.append((offset, offset + chunk, start, start + (index + 1) * chunk))
+                offset += chunk
+        return blocks
+
+    def logit_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """For unpadded packed-row positions ``rows`` (a batch's logit rows, in order): the local rows this rank
+        holds, in order, and — with CP — where each of ``rows`` sits in the CP all-gather of every rank's rows.
+        With CP every rank's list is padded (with local row 0) to the same length, so the gather is even."""
+        where = self._gathered_index_cpu[self.to_padded(rows)]
+        owner, local = where // self.local_length, where % self.local_length
+        if self.cp_size == 1:
+            return local.to(self.device), None
+        most = int(torch.bincount(owner, minlength=self.cp_size).max())
+        rank_of_row = torch.empty_like(owner)
+        for rank in range(self.cp_size):
+            mine = owner == rank
+            rank_of_row[mine] = torch.arange(int(mine.sum()))
+        held = local[owner == self.cp_rank]
+        held = torch.cat([held, held.new_zeros(most - len(held))])
+        return held.to(self.device), (owner * most + rank_of_row).to(self.device)
+
+    def labels(self, input_ids: torch.Tensor, local_rows: torch.Tensor) -> torch.Tensor:
+        """The token each of ``local_rows`` predicts (the next token of the padded row), from the unpadded
+        ``input_ids`` on ``device``."""
+        padded = self.pad(input_ids.to(self.device))
+        return padded[(self.local_positions[local_rows] + 1).clamp(max=len(padded) - 1)]
+
+
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention of ``query`` [heads, Lq, d] over ``key``/``value`` [groups, Lk, d] (``Lq <= Lk``), query
+    ``i`` sitting at key position ``Lk - Lq + i``. Query head ``h`` uses key/value group ``h // (heads /
+    groups)`` (Megatron's grouped-query layout)."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if q_len == k_len:
+        return F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[0] != key.shape[0]
+        )
+    repeat = query.shape[0] // key.shape[0]
+    key, value = key.repeat_interleave(repeat, 0), value.repeat_interleave(repeat, 0)
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
+def attend_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    blocks: list[tuple[int, int, int, int]],
+    scale,
+) -> torch.Tensor:
+    """Causal attention of local ``query`` rows [t, heads, d] over padded-row ``key``/``value`` [T, groups, d],
+    block by block (:meth:`PackedLayout.query_blocks`); returns [t, heads * d]."""
+    q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [heads or groups, rows, d]
+    out = torch.cat(
+        [causal_attention(q[:, a:b], k[:, c:d], v[:, c:d], scale) for a, b, c, d in blocks], dim=1
+    )
+    return out.transpose(0, 1).reshape(query.shape[0], -1)
