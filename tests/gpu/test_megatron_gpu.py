@@ -4,6 +4,7 @@ checkpoint, and one GRPO step against the FSDP2 backend. Run: see tests/gpu/READ
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import math
 
@@ -19,7 +20,13 @@ pytestmark = [
 # (prompt length, response length) of 6 samples: 3 groups of 2
 SHAPES = [(3, 2), (5, 7), (1, 4), (8, 1), (2, 9), (4, 4)]
 VOCAB = 61
-KINDS = ["dense", "moe", "llama", "glm4_moe"]  # the models the log-prob and HF round-trip tests cover
+KINDS = [
+    "dense",
+    "moe",
+    "llama",
+    "glm4_moe",
+    "glm4_moe_qk_norm",
+]  # the models the log-prob and HF round-trip tests cover
 
 
 def _save_random_init(path, model_cls, config, seed):
@@ -65,9 +72,10 @@ def build_llama(path, seed=0):
     return _save_random_init(path, LlamaForCausalLM, config, seed)
 
 
-def build_glm4_moe(path, seed=0):
+def build_glm4_moe(path, seed=0, qk_norm=False):
     """A small random-init GLM-4.5 (glm4_moe): first layer dense, then 4 experts top-2 + 1 shared expert, sigmoid
-    router with expert bias, half the head dim rotated, qkv bias; no MTP layer."""
+    router with expert bias, half the head dim rotated, qkv bias; no MTP layer. ``qk_norm``: per-head q/k
+    RMSNorm, as in GLM-4.5 (355B); GLM-4.5-Air has none."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     config = Glm4MoeConfig(
@@ -75,7 +83,7 @@ def build_glm4_moe(path, seed=0):
         num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         partial_rotary_factor=0.5, attention_bias=True, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
-        use_qk_norm=False, tie_word_embeddings=False, num_nextn_predict_layers=0, max_position_embeddings=512,
+        use_qk_norm=qk_norm, tie_word_embeddings=False, num_nextn_predict_layers=0, max_position_embeddings=512,
         rope_theta=1000000.0, rms_norm_eps=1e-5, dtype="float32",
     )  # fmt: skip
     return _save_random_init(path, Glm4MoeForCausalLM, config, seed)
@@ -133,7 +141,13 @@ def mean_abs_diff(a, b):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
-    builders = {"dense": build_dense, "moe": build_moe, "llama": build_llama, "glm4_moe": build_glm4_moe}
+    builders = {
+        "dense": build_dense,
+        "moe": build_moe,
+        "llama": build_llama,
+        "glm4_moe": build_glm4_moe,
+        "glm4_moe_qk_norm": functools.partial(build_glm4_moe, qk_norm=True),
+    }
     return {kind: str(build(root / kind)) for kind, build in builders.items()}
 
 
@@ -224,6 +238,46 @@ def test_grpo_step_matches_fsdp(models, precision, tmp_path):
             torch.testing.assert_close(mega[name], fsdp[name], atol=1e-5, rtol=1e-4, msg=name)
         else:  # both exported in bf16: at most a couple of bf16 ulps apart
             torch.testing.assert_close(mega[name], fsdp[name], atol=1e-2, rtol=1.6e-2, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_critic_matches_fsdp(models, kind, tmp_path):
+    """The Megatron critic (value head on the same GPTModel) starts from an FSDP critic's HF export and gives the
+    same values and the same value-loss SGD step (fp32)."""
+    from vime.backends.fsdp_utils.trainer import FSDPTrainer
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+    from vime.utils.train_data import shape_rewards
+
+    extra = ["--advantage-estimator", "ppo", "--optimizer", "sgd", "--lr", "0.1"]
+    fsdp_config = make_args(models[kind], *extra)
+    fsdp_config.train_backend = "fsdp"
+    fsdp = FSDPTrainer(fsdp_config, role="critic")
+    fsdp.export_hf(str(tmp_path / "critic"))  # a token classifier: score.weight/bias, no lm_head
+    config = make_args(str(tmp_path / "critic"), *extra)
+    mega = MegatronTrainer(config, role="critic")
+    samples = samples_for_test()
+    want, got = fsdp.compute_values(samples), mega.compute_values(samples)
+    diff = mean_abs_diff(got, want)
+    print(f"\n[{kind} critic] fp32 values vs FSDP critic: mean |diff| {diff:.3e}")
+    assert diff < 1e-5
+
+    rewards = shape_rewards(config, [samples[i : i + 2] for i in range(0, 6, 2)])
+    mega_metrics = mega.train(0, samples, rewards, values=got)
+    fsdp_metrics = fsdp.train(0, samples, rewards, values=want)
+    after = {n: t.float().cpu() for b in mega.iter_weight_buckets(1 << 30) for n, t in b}
+    reference = {n: t.float().cpu() for b in fsdp.iter_weight_buckets(1 << 30) for n, t in b}
+    shared = sorted(set(after) & set(reference))
+    assert "score.weight" in shared and "score.bias" in shared
+    weight_diff = max(float((after[n] - reference[n]).abs().max()) for n in shared)
+    print(
+        f"[{kind} critic] value loss megatron {mega_metrics['value_loss']:.6g} fsdp {fsdp_metrics['value_loss']:.6g}; "
+        f"grad norm {mega_metrics['grad_norm']:.6g} vs {fsdp_metrics['grad_norm']:.6g}; "
+        f"largest weight diff after one SGD step {weight_diff:.3e} over {len(shared)} tensors"
+    )
+    assert abs(mega_metrics["value_loss"] - fsdp_metrics["value_loss"]) < 1e-5
+    assert abs(mega_metrics["grad_norm"] - fsdp_metrics["grad_norm"]) < 1e-3 * fsdp_metrics["grad_norm"]
+    for name in shared:
+        torch.testing.assert_close(after[name], reference[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize(

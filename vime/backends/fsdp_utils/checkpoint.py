@@ -16,13 +16,13 @@ optimizer live in separate DCP folders so a weights-only load (reference model, 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import save_torch_state_dict
-from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoTokenizer
 
-from vime.backends.fsdp_utils.weights import hf_weight_names
+from vime.backends.fsdp_utils.model import load_hf_model
+from vime.backends.fsdp_utils.weights import checkpoint_format, hf_weight_names
 from vime.utils.checkpoint_layout import (
     LATEST_FILE,
     host_rng_state,
@@ -121,12 +122,12 @@ def load_weights(model: nn.Module, path: str | Path, ckpt_step: int | None = Non
     if step is not None:
         load_checkpoint(iteration_dir(path, step), model, None, None, load_rng=False)
         return
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
+    if not any(Path(path).glob("*.safetensors")):
         raise FileNotFoundError(
             f"{path} is neither a vime checkpoint ({LATEST_FILE}) nor an HF safetensors dir"
         )
-    full = {k: v for f in files for k, v in load_file(f).items()}
+    # through transformers, which converts a checkpoint's layout to the in-memory one (e.g. fuses MoE experts)
+    full = load_hf_model(str(path), "critic" if hasattr(model, "score") else "actor").state_dict()
     result = set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
     missing = set(result.missing_keys) & set(hf_weight_names(model))
     if missing or result.unexpected_keys:
@@ -136,9 +137,10 @@ def load_weights(model: nn.Module, path: str | Path, ckpt_step: int | None = Non
 
 
 def export_hf(model: nn.Module, out_dir: str | Path, tokenizer_path: str | Path, dtype: torch.dtype) -> None:
-    """Write a ``from_pretrained``-loadable HF directory (safetensors in ``dtype``, config, generation config,
-    tokenizer from ``tokenizer_path``). Collective: the weights are gathered to rank 0, which writes; an error
-    there is raised on every rank (instead of leaving the others waiting)."""
+    """Write a ``from_pretrained``-loadable HF directory (safetensors in ``dtype`` with the names and layout of
+    ``save_pretrained``, config, generation config, tokenizer from ``tokenizer_path``). Collective: the weights are
+    gathered to rank 0, which writes; an error there is raised on every rank (instead of leaving the others
+    waiting)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     error: Exception | None = None
     if dist.get_rank() == 0:
@@ -158,11 +160,15 @@ def _write_hf(
     model: nn.Module, full: dict, out: Path, tokenizer_path: str | Path, dtype: torch.dtype
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name in hf_weight_names(model):
-        tensor = full.pop(name)
-        # clone: the gathered tensors can be views into one flat buffer, which safetensors refuses to write
-        tensors[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).clone()
+
+    def cast() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in hf_weight_names(model):
+            tensor = full.pop(name)
+            yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    # clone: the gathered tensors can be views into one flat buffer (and the per-expert tensors views into the
+    # fused tensor they were split from), which safetensors refuses to write
+    tensors = {name: tensor.clone() for name, tensor in checkpoint_format(model, cast())}
     save_torch_state_dict(tensors, out)
     config = copy.deepcopy(model.config)
     config.dtype = dtype

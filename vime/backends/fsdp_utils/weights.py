@@ -1,31 +1,63 @@
-"""HF-named full weights out of an FSDP2-sharded model, for weight sync and HF export."""
+"""HF-named full weights out of an FSDP2-sharded model, for weight sync and HF export.
+
+transformers may hold weights in memory in another layout than its checkpoints: MoE models (qwen3_moe, glm4_moe, ...)
+fuse their experts into ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I], while
+checkpoints, ``save_pretrained`` and vLLM's loaders use ``mlp.experts.{e}.{gate,up,down}_proj.weight``.
+:func:`checkpoint_format` maps the former to the latter, with the reverse of the conversion transformers applied on
+load.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import revert_weight_conversion
 
 from vime.utils.weight_buckets import Bucket, in_buckets
 
 
 def hf_weight_names(model: nn.Module) -> list[str]:
-    """The model's state-dict names as an HF checkpoint holds them: parameters and persistent buffers, each tied
-    parameter once under its first name (e.g. ``model.embed_tokens.weight``, not the tied ``lm_head.weight``)."""
+    """The model's state-dict names (in-memory layout) of the weights an HF checkpoint holds: parameters and
+    persistent buffers, each tied parameter once under its first name (e.g. ``model.embed_tokens.weight``, not the
+    tied ``lm_head.weight``)."""
     all_params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     unique_params = {name for name, _ in model.named_parameters()}
     aliases = all_params - unique_params
     return [name for name in model.state_dict() if name not in aliases]
 
 
+def checkpoint_format(
+    model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Map in-memory ``(name, full_tensor)`` pairs to the names and layout ``save_pretrained`` writes, one tensor at
+    a time: a fused MoE expert tensor becomes one tensor per expert (and projection); other tensors pass through
+    unchanged.
+
+    Raises ``NotImplementedError`` where two tensors map to one checkpoint name: such a conversion (e.g. q/k/v
+    fused on disk, separate in memory) needs its tensors together; qwen3, qwen3_moe, llama and glm4_moe have none.
+    """
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        for hf_name, hf_tensor in revert_weight_conversion(model, {name: tensor}).items():
+            if hf_name in seen:
+                raise NotImplementedError(
+                    f"{type(model).__name__}: {hf_name!r} is built from several in-memory tensors; "
+                    "converting such weights to the checkpoint format is not supported"
+                )
+            seen.add(hf_name)
+            yield hf_name, hf_tensor
+
+
 def iter_weight_buckets(model: nn.Module, buffer_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]:
-    """Yield lists of ``(hf_name, full_tensor)`` of at most ``buffer_bytes`` each (a larger tensor is a bucket of
-    its own), floating-point tensors cast to ``dtype``.
+    """Yield lists of ``(hf_name, full_tensor)`` in the checkpoint format (see :func:`checkpoint_format`) of at
+    most ``buffer_bytes`` each (a larger tensor is a bucket of its own), floating-point tensors cast to ``dtype``.
 
     Collective: every rank must iterate to the end, in step, because each sharded tensor is all-gathered; the
-    tensors are complete on every rank. Only one bucket of full tensors is alive at a time.
+    tensors are complete on every rank. Only one bucket of full tensors (and the in-memory tensor it was split
+    from) is alive at a time.
     """
     state = model.state_dict()
 
@@ -35,4 +67,4 @@ def iter_weight_buckets(model: nn.Module, buffer_bytes: int, dtype: torch.dtype)
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield name, full.detach().to(dtype) if full.is_floating_point() else full.detach()
 
-    return in_buckets(full_tensors(), buffer_bytes)
+    return in_buckets(checkpoint_format(model, full_tensors()), buffer_bytes)

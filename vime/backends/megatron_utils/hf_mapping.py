@@ -78,6 +78,9 @@ _TOP_RULES: list[tuple[str, list[str], str]] = [
     ("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], PLAIN),
     ("decoder.final_layernorm.weight", ["model.norm.weight"], PLAIN),
     ("output_layer.weight", ["lm_head.weight"], PLAIN),
+    # the critic's value head, named like transformers' token classifier (what the FSDP critic is)
+    ("value_head.weight", ["score.weight"], PLAIN),
+    ("value_head.bias", ["score.bias"], PLAIN),
 ]
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"local_experts\.(\d+)\.")

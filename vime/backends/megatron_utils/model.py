@@ -226,3 +226,18 @@ def build_gpt_model(
     for param in model.parameters():
         param.data = param.data.to(config.params_dtype)
     return model
+
+
+def add_value_head(model: GPTModel, config: TransformerConfig, seed: int) -> None:
+    """Make ``model`` a critic: its last pipeline stage gets ``value_head`` (hidden -> 1, with bias, like
+    transformers' token classifier), initialised from ``seed`` so every rank starts identical. An untied
+    vocabulary output layer is frozen: the critic never uses it."""
+    if not model.post_process:
+        return
+    head = torch.nn.Linear(config.hidden_size, 1)
+    with torch.no_grad():
+        head.weight.normal_(0.0, config.init_method_std, generator=torch.Generator().manual_seed(seed))
+        head.bias.zero_()
+    model.value_head = head.to(device=torch.cuda.current_device(), dtype=config.params_dtype)
+    if not model.share_embeddings_and_output_weights:
+        model.output_layer.requires_grad_(False)

@@ -19,6 +19,7 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -145,10 +146,13 @@ def causal_attention(
         return F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[0] != key.shape[0]
         )
+    # a lower-right causal bias runs in the flash / memory-efficient kernels without materialising a mask; those
+    # kernels take grouped-query attention only through expanded keys and values, and want a batch dimension
     repeat = query.shape[0] // key.shape[0]
-    key, value = key.repeat_interleave(repeat, 0), value.repeat_interleave(repeat, 0)
-    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    q, k, v = (
+        x.unsqueeze(0) for x in (query, key.repeat_interleave(repeat, 0), value.repeat_interleave(repeat, 0))
+    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, k_len), scale=scale)[0]
 
 
 def attend_blocks(

@@ -3,7 +3,8 @@
 Same public interface as ``vime.backends.fsdp_utils.trainer.FSDPTrainer``; every public method is collective.
 ``samples`` are this rank's *data-parallel* partition: the tensor/pipeline/expert-parallel peers of a rank get
 the same samples. Losses are ``vime.utils.loss`` on packed (THD) micro-batches; log-probs are computed
-vocab-parallel (``log_probs.py``). Only the actor role exists so far (the critic's value head is not built).
+vocab-parallel (``log_probs.py``). The critic (``role="critic"``, for ppo) is the same model with a value head
+(``model.add_value_head``) trained with ``vime.utils.loss.value_loss``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from vime.backends.megatron_utils.config import apply_megatron_config, load_hook
 from vime.backends.megatron_utils.hf_config import check_hf_config, load_hf_config
 from vime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
 from vime.backends.megatron_utils.model import (
+    add_value_head,
     build_gpt_model,
     compute_dtype,
     packed_seq_params,
@@ -43,11 +45,11 @@ from vime.backends.megatron_utils.model import (
 from vime.backends.megatron_utils.packed_layout import PackedLayout
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import init_distributed
-from vime.utils.loss import policy_loss
+from vime.utils.loss import policy_loss, value_loss
 from vime.utils.train_data import PackedBatch, pack_samples
 from vime.utils.types import Sample
 
-ROLES = ("actor",)
+ROLES = ("actor", "critic")
 
 
 def _dp_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
@@ -74,7 +76,8 @@ def init_megatron_parallel(args: argparse.Namespace) -> None:
 
 class MegatronTrainer(TrainerBase):
     """The policy (``role="actor"``) on Megatron-Core, with a frozen reference model when ``--use-kl-loss`` or
-    ``--kl-coef`` and a frozen teacher with ``--opd-kl-coef``. Hooks: ``--custom-loss-function-path`` and
+    ``--kl-coef`` and a frozen teacher with ``--opd-kl-coef``; or the value model (``role="critic"``, lr
+    ``--critic-lr``, checkpoints ``--critic-load``), whose new value head starts from ``--seed``. Hooks: ``--custom-loss-function-path`` and
     ``--custom-advantage-function-path`` as for ``FSDPTrainer``; ``--custom-megatron-init-path``
     ``fn(args)`` after the parallel groups exist; ``--custom-megatron-before-log-prob-hook-path``
     ``fn(args, model, samples, which)``; ``--custom-megatron-before-train-step-hook-path``
@@ -82,9 +85,7 @@ class MegatronTrainer(TrainerBase):
 
     def __init__(self, args: argparse.Namespace, role: str = "actor"):
         if role not in ROLES:
-            raise NotImplementedError(
-                f"role {role!r}: the Megatron backend has no critic yet; use --train-backend fsdp for ppo"
-            )
+            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
         args = apply_megatron_config(copy.copy(args), role)
         if args.fp16:
             raise ValueError("--fp16 is not supported by the Megatron backend (no loss scaling); use --bf16")
@@ -111,7 +112,7 @@ class MegatronTrainer(TrainerBase):
         )
         self.model = DistributedDataParallel(self.config, ddp_config, module)
         self.module = module
-        lr = args.lr
+        lr = args.critic_lr if role == "critic" and args.critic_lr is not None else args.lr
         optim_config = OptimizerConfig(
             optimizer=args.optimizer,
             lr=lr,
@@ -128,7 +129,7 @@ class MegatronTrainer(TrainerBase):
         self.optimizer = get_megatron_optimizer(optim_config, [self.model])
         self.scheduler = self._scheduler(lr)
         self.step = 0
-        self._init_policy_models_and_hooks(self._frozen)
+        self._init_policy_models_and_hooks(self._frozen, is_actor=role == "actor")
         self.before_log_prob_hook = load_hook(
             getattr(args, "custom_megatron_before_log_prob_hook_path", None),
             "--custom-megatron-before-log-prob-hook-path",
@@ -139,9 +140,12 @@ class MegatronTrainer(TrainerBase):
         )
 
     # ------------------------------------------------------------------------------------------------ build
-    def _load_module(self, path: str):
-        """A GPTModel with weights from an HF dir or a torch_dist checkpoint dir."""
+    def _load_module(self, path: str, role: str | None = None):
+        """A GPTModel (for ``role``, default this trainer's) with weights from an HF dir or a torch_dist
+        checkpoint dir."""
         module = build_gpt_model(self.args, self.hf_vocab_size, self.config)
+        if (role or self.role) == "critic":
+            add_value_head(module, self.config, self.args.seed)
         if checkpoint.latest_iteration(path) is not None:
             checkpoint.load(path, None, module, None, None, load_rng=False)
         else:
@@ -149,7 +153,7 @@ class MegatronTrainer(TrainerBase):
         return module
 
     def _frozen(self, path: str):
-        module = self._load_module(path)
+        module = self._load_module(path, "actor")
         module.eval()
         module.requires_grad_(False)
         return module
@@ -178,24 +182,30 @@ class MegatronTrainer(TrainerBase):
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def load(self) -> int | None:
-        """Resume from ``--load`` (``--ckpt-step`` or ``latest_checkpointed_iteration.txt``): weights, optimizer
-        (unless ``--no-load-optim``), scheduler, RNG (unless ``--no-load-rng``). Returns the saved rollout id, or
-        None for a fresh start (then ``--ref-load`` weights if set and different from ``--hf-checkpoint``)."""
+        """Resume from ``--load`` (``--critic-load`` for the critic) at ``--ckpt-step`` or
+        ``latest_checkpointed_iteration.txt``: weights, optimizer (unless ``--no-load-optim``), scheduler, RNG
+        (unless ``--no-load-rng``). Returns the saved rollout id, or None for a fresh start (then the actor loads
+        ``--ref-load`` weights if set and different from ``--hf-checkpoint``)."""
         args = self.args
-        step = args.ckpt_step if args.ckpt_step is not None else checkpoint.latest_iteration(args.load)
-        if args.load and step is not None:
+        load_dir = args.critic_load if self.role == "critic" else args.load
+        step = args.ckpt_step if args.ckpt_step is not None else checkpoint.latest_iteration(load_dir)
+        if load_dir and step is not None:
             if args.finetune:
-                checkpoint.load(args.load, step, self.module, None, None, load_rng=False)
+                checkpoint.load(load_dir, step, self.module, None, None, load_rng=False)
                 if hasattr(self.optimizer, "reload_model_params"):
                     self.optimizer.reload_model_params()
                 return None
             optimizer = None if args.no_load_optim else self.optimizer
             state = checkpoint.load(
-                args.load, step, self.module, optimizer, self.scheduler, load_rng=not args.no_load_rng
+                load_dir, step, self.module, optimizer, self.scheduler, load_rng=not args.no_load_rng
             )
             self.step = state["step"]
             return state["rollout_id"]
-        if args.ref_load and Path(args.ref_load).resolve() != Path(args.hf_checkpoint).resolve():
+        if (
+            self.role == "actor"
+            and args.ref_load
+            and Path(args.ref_load).resolve() != Path(args.hf_checkpoint).resolve()
+        ):
             if checkpoint.latest_iteration(args.ref_load) is not None:
                 checkpoint.load(args.ref_load, None, self.module, None, None, load_rng=False)
             else:
@@ -223,14 +233,17 @@ class MegatronTrainer(TrainerBase):
         """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"``), at
         ``--rollout-temperature``, as CPU fp32 tensors; no grad."""
         nets = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}
-        if nets.get(model) is None:
+        if self.role != "actor" or nets.get(model) is None:
             raise ValueError(f"the {self.role} trainer has no {model!r} model")
         if self.before_log_prob_hook is not None:
             self.before_log_prob_hook(self.args, nets[model], samples, model)
         return [t.cpu() for t in self._forward(nets[model], samples)]
 
     def compute_values(self, samples: list[Sample]) -> PerSample:
-        raise NotImplementedError("the Megatron backend has no critic yet; use --train-backend fsdp for ppo")
+        """The critic's values at the response tokens of this rank's samples, as CPU fp32 tensors; no grad."""
+        if self.role != "critic":
+            raise ValueError("compute_values needs the critic trainer (role='critic')")
+        return [t.cpu() for t in self._forward(self.model, samples)]
 
     def _micro_batch_token_budget(self) -> int | None:
         """``--max-tokens-per-gpu`` x CP: context parallelism spreads a micro-batch's row over the CP ranks."""
@@ -265,21 +278,23 @@ class MegatronTrainer(TrainerBase):
         )
 
     def _forward_step(self, loss_func: Callable, data_iterator, model):
-        """Megatron schedule callback: forward one packed micro-batch; logits only at response-predicting rows."""
+        """Megatron schedule callback: forward one packed micro-batch; outputs (logits, or the critic's values)
+        only at the rows that predict response tokens."""
         mb = next(data_iterator)
 
-        def select_logits(hidden_states, output_layer, output_weight, **_):
-            sequence_parallel = output_layer.sequence_parallel
-            if sequence_parallel:
-                # every TP rank holds a slice of the rows: gather them, then select. The output layer, run without
-                # its own gather, all-reduces its input gradient, so the gather's backward only keeps this
-                # rank's slice (no second reduction).
+        def select_outputs(hidden_states, output_layer, output_weight, **_):
+            if self.config.sequence_parallel:
+                # Every TP rank holds a slice of the rows: gather them, then select. Both heads below give every TP
+                # rank the full input gradient, so the gather's backward only keeps this rank's slice.
                 hidden_states = gather_from_sequence_parallel_region(
                     hidden_states, tensor_parallel_output_grad=False
                 )
-            output_layer.sequence_parallel = False
-            try:
-                logits, _ = output_layer(hidden_states.index_select(0, mb["rows"]), weight=output_weight)
+            rows = hidden_states.index_select(0, mb["rows"])
+            if self.role == "critic":
+                return self.module.value_head(rows)[:, 0, 0]  # replicated over TP: identical gradients
+            sequence_parallel, output_layer.sequence_parallel = output_layer.sequence_parallel, False
+            try:  # without its sequence-parallel gather the layer all-reduces its input gradient over TP
+                logits, _ = output_layer(rows, weight=output_weight)
             finally:
                 output_layer.sequence_parallel = sequence_parallel
             return logits[:, 0, :]
@@ -289,32 +304,34 @@ class MegatronTrainer(TrainerBase):
             mb["position_ids"].unsqueeze(0),
             None,
             packed_seq_params=mb["params"],
-            output_processor=select_logits,
+            output_processor=select_outputs,
         )
         return output, partial(loss_func, mb)
 
-    def _token_log_probs(
-        self, mb: dict, logits: torch.Tensor, with_entropy: bool = False, entropy_grad: bool = False
+    def _in_order(self, mb: dict, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's per-row results -> the micro-batch's, in order. With CP each rank has its own rows; they are
+        all-gathered, every CP rank computes the same loss, and the gather's backward keeps this rank's rows."""
+        if mb["order"] is None:
+            return rows
+        group = parallel_state.get_context_parallel_group()
+        return gather_from_sequence_parallel_region(rows, False, group).index_select(0, mb["order"])
+
+    def _token_outputs(
+        self, mb: dict, output: torch.Tensor, with_entropy: bool = False, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropy) of the micro-batch's response tokens, in order. With CP each rank computes its
-        own rows, then they are all-gathered: every CP rank computes the same loss, and the gather's backward
-        hands each rank the gradient of its own rows."""
+        """Per response token of the micro-batch, in order: fp32 log-probs (and entropy) from the logits, or the
+        critic's values (and None)."""
+        if self.role == "critic":
+            return self._in_order(mb, output.float()), None
         log_probs, entropy = vocab_parallel_log_probs(
-            logits,
+            output,
             mb["labels"],
             self.args.rollout_temperature,
             self.hf_vocab_size,
             with_entropy,
             entropy_grad,
         )
-        if mb["order"] is None:
-            return log_probs, entropy
-        group = parallel_state.get_context_parallel_group()
-
-        def gather(x):
-            return gather_from_sequence_parallel_region(x, False, group).index_select(0, mb["order"])
-
-        return gather(log_probs), (gather(entropy) if entropy is not None else None)
+        return self._in_order(mb, log_probs), (self._in_order(mb, entropy) if entropy is not None else None)
 
     def _run_schedule(self, model, mbs: list[dict], loss_func: Callable, forward_only: bool) -> None:
         get_forward_backward_func()(
@@ -334,9 +351,9 @@ class MegatronTrainer(TrainerBase):
             for mb in self._micro_batches(samples)
         ]
 
-        def collect(mb, logits):
-            log_probs, _ = self._token_log_probs(mb, logits)
-            for i, piece in zip(mb["indices"], log_probs.split(mb["packed"].response_lengths), strict=True):
+        def collect(mb, output):
+            per_token, _ = self._token_outputs(mb, output)
+            for i, piece in zip(mb["indices"], per_token.split(mb["packed"].response_lengths), strict=True):
                 out[i] = piece.float()
             return torch.zeros((), device="cuda"), torch.tensor(0, dtype=torch.int, device="cuda"), {}
 
@@ -383,9 +400,13 @@ class MegatronTrainer(TrainerBase):
         sums: dict[str, float] = {}
         entropy_grad = bool(args.entropy_coef) or self.loss_fn is not policy_loss
 
-        def loss_func(mb, logits):
-            log_probs, entropy = self._token_log_probs(mb, logits, True, entropy_grad)
-            loss, metrics = self.loss_fn(args, mb["batch"], log_probs, entropy)
+        def loss_func(mb, output):
+            if self.role == "critic":
+                values, _ = self._token_outputs(mb, output)
+                loss, metrics = value_loss(args, mb["batch"], values)
+            else:
+                log_probs, entropy = self._token_outputs(mb, output, True, entropy_grad)
+                loss, metrics = self.loss_fn(args, mb["batch"], log_probs, entropy)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss, torch.tensor(1, dtype=torch.int, device="cuda"), {}

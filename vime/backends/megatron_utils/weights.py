@@ -134,17 +134,21 @@ class _SafetensorsDir:
 def load_hf_weights(model, hf_dir: str | Path, hf_vocab_size: int) -> None:
     """Copy the HF checkpoint's tensors into this rank's shards of ``model`` (the unwrapped ``GPTModel``).
 
-    Every parameter must be found (an error lists the missing HF names); HF tensors no rank of this stage uses
-    are ignored (e.g. GLM-4.5's MTP layers). A tied ``output_layer`` (last pipeline stage) reads the embedding.
+    Every parameter must be found (an error lists the missing HF names), except that a critic may lack its value
+    head (``score``: ``hf_dir`` is a policy) or its unused LM head (``hf_dir`` is a critic); HF tensors no rank of
+    this stage uses are ignored (e.g. GLM-4.5's MTP layers). A tied ``output_layer`` (last pipeline stage) reads the embedding.
     """
     reader = _SafetensorsDir(hf_dir)
     shape = attention_shape(model)
+    critic_optional = ("value_head.", "output_layer.") if hasattr(model, "value_head") else ()
     missing = []
     for entry in local_tensors(model):
         names = entry.hf_names
         if entry.canonical == "output_layer.weight" and names[0] not in reader:
             names = ["model.embed_tokens.weight"]  # tied embeddings
         absent = [n for n in names if n not in reader]
+        if absent and entry.canonical.startswith(critic_optional):
+            continue  # a critic: a policy has no value head (the new one keeps its init), a critic no LM head
         if absent:
             missing += absent
             continue
