@@ -189,7 +189,10 @@ def _error_of(argv: list[str], capsys) -> str:
         (["--vllm-router-ip", "10.0.0.1"], "--vllm-router-ip and --vllm-router-port go together"),
         (["--update-weight-transport", "tensor"], "needs --colocate"),
         (["--offload"], "--offload-train (or --offload) is not implemented yet"),
-        (["--sequence-parallel"], "--sequence-parallel: the fsdp backend shards over data-parallel ranks only"),
+        (
+            ["--sequence-parallel"],
+            "--sequence-parallel: the fsdp backend shards over data-parallel ranks only",
+        ),
         (
             ["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
             "--context-parallel-size 2: the fsdp backend shards",
