@@ -280,20 +280,7 @@ def test_critic_matches_fsdp(models, kind, tmp_path):
         torch.testing.assert_close(after[name], reference[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        pytest.param(
-            "distributed",
-            marks=pytest.mark.xfail(
-                reason="weights and loss reload exactly, but the step after resuming differs: the distributed "
-                "optimizer's Adam state does not round-trip through dp_reshardable without Apex/TE (mcore 0.19.2)",
-                strict=False,
-            ),
-        ),
-        "plain",
-    ],
-)
+@pytest.mark.parametrize("optimizer", ["distributed", "plain"])
 def test_torch_dist_checkpoint_round_trip(models, tmp_path, optimizer):
     from vime.backends.megatron_utils.trainer import MegatronTrainer
 

@@ -58,6 +58,17 @@ def _ensure_optimizer_state(optimizer) -> None:
             sub._init_optimizer_states_with_dummy_values()
 
 
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron-core 0.19.2's load path without Apex/TE gives every parameter's Adam state the *same* ``step``
+    tensor, which torch's Adam then increments once per parameter per step (wrong bias correction after a
+    resume): give each state its own copy."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        for state in inner.state.values() if inner is not None else ():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
 def save(save_dir, rollout_id: int, model, optimizer, scheduler, step: int) -> Path:
     """Write ``iter_{rollout_id}`` (collective), then point ``latest_checkpointed_iteration.txt`` at it."""
     out = iteration_dir(save_dir, rollout_id)
@@ -103,6 +114,7 @@ def load(load_dir, step: int | None, model, optimizer, scheduler, load_rng: bool
     model.load_state_dict(loaded["model"], strict=False)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(optimizer)
     vime_state = torch.load(iter_dir / "vime_state.pt", weights_only=False)
     if scheduler is not None and vime_state.get("scheduler") is not None:
         scheduler.load_state_dict(vime_state["scheduler"])
