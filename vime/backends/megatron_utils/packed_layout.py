@@ -56,16 +56,21 @@ class PackedLayout:
         """Tokens this CP rank holds (the same on every CP rank)."""
         return self.cu_seqlens[-1] // self.cp_size
 
-    def positions(self, rank: int) -> torch.Tensor:
-        """Padded-row positions that CP rank ``rank`` holds, in its local order (CPU)."""
+    def _chunks(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(sequence start, chunk start, chunk end)`` of the padded-row chunks CP rank ``rank`` holds, in its
+        local order (without CP: every whole sequence)."""
         if self.cp_size == 1:
-            return torch.arange(self.cu_seqlens[-1])
-        pieces = []
+            return [(s, s, e) for s, e in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
+        out = []
         for start, length in zip(self.cu_seqlens[:-1], self.padded_lengths, strict=True):
             chunk = length // (2 * self.cp_size)
             for index in (rank, 2 * self.cp_size - 1 - rank):
-                pieces.append(torch.arange(start + index * chunk, start + (index + 1) * chunk))
-        return torch.cat(pieces)
+                out.append((start, start + index * chunk, start + (index + 1) * chunk))
+        return out
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Padded-row positions that CP rank ``rank`` holds, in its local order (CPU)."""
+        return torch.cat([torch.arange(a, b) for _, a, b in self._chunks(rank)])
 
     @cached_property
     def local_positions(self) -> torch.Tensor:
@@ -101,14 +106,10 @@ class PackedLayout:
     def query_blocks(self) -> list[tuple[int, int, int, int]]:
         """``(q_start, q_end, k_start, k_end)``: local query rows and the padded-row key range they attend to;
         each block's queries are the last ``q_end - q_start`` positions of its key range (causal)."""
-        if self.cp_size == 1:
-            return [(s, e, s, e) for s, e in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
         blocks, offset = [], 0
-        for start, length in zip(self.cu_seqlens[:-1], self.padded_lengths, strict=True):
-            chunk = length // (2 * self.cp_size)
-            for index in (self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank):
-                blocks.append((offset, offset + chunk, start, start + (index + 1) * chunk))
-                offset += chunk
+        for start, a, b in self._chunks(self.cp_rank):
+            blocks.append((offset, offset + b - a, start, b))
+            offset += b - a
         return blocks
 
     def logit_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
