@@ -1,6 +1,6 @@
 """The quick start's configuration, end to end on CPU, learns: ``train.py`` and ``train_async.py`` both take the
-mean rollout reward from below 0.3 to above 0.65 (usually above 0.8), with engine and trainer log-probs agreeing throughout, and leave
-no process behind."""
+mean rollout reward from below 0.3 to above 0.65 (usually above 0.8), with engine and trainer log-probs agreeing
+throughout, and leave no process behind."""
 
 from __future__ import annotations
 
