@@ -1,17 +1,26 @@
-"""Rollout throughput: vLLM's offline ``LLM.generate`` vs vime's rollout path, same prompts and lengths.
+"""Rollout throughput: vime's rollout path against the same vLLM engine driven offline and over HTTP directly.
 
-(a) offline: one ``vllm.LLM`` in this process, all prompts in one ``generate`` call.
-(b) vime: a real vLLM server behind vllm-router, vime's asyncio rollout (token-in/out HTTP, per-sample seeds,
-    rewards, grouping). Responses have a fixed length (``ignore_eos``) so both sides generate the same tokens.
-Each side gets one warm-up batch, then ``--repeats`` timed batches; the median is reported.
+Three ways to generate the same prompts (``--prompts`` groups of ``--n-samples``), with fixed-length responses
+(EOS ignored) and the sampled-token log-probs RL needs, one after the other on the same machine:
 
-    python bench/rollout_throughput.py --out bench/results/rollout_throughput.json
+(a) offline: ``vllm.LLM.generate`` in this process, all prompts in one call (also without log-probs, for reference);
+(b) direct: a vLLM server as vime launches it, driven by a bare asyncio client (one ``n``-sample request per
+    group, ``--rollout-concurrency`` requests in flight), no router, no vime;
+(c) vime: the same server behind vllm-router, through vime's rollout (``RolloutManager.generate``: groups,
+    per-sample status and log-probs, rewards, the data buffer).
+
+Each side gets one warm-up batch, then ``--repeats`` timed batches; medians are reported. CPU (tiny model):
+
+    python bench/rollout_throughput.py
+GPU (a shape from bench/shapes.py, bf16; CUDA graphs unless --enforce-eager):
+
+    python bench/rollout_throughput.py --shape 0.6b --prompts 256 --n-samples 8 --response-len 256 --enforce-eager
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import os
 import statistics
 import sys
@@ -19,117 +28,201 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 
-async def fixed_length_generate(args, sample, sampling_params):
-    """The default generate with EOS ignored, so every response has exactly max_tokens tokens."""
-    from vime.rollout.vllm_rollout import generate
+def on_gpu() -> bool:
+    import torch
 
-    sampling_params["ignore_eos"] = True
-    return await generate(args, sample, sampling_params)
+    return torch.cuda.is_available()
 
 
-def vime_args(model_dir: Path, log_dir: Path, prompts: int, n: int, length: int):
+def engine_flags(opts) -> dict:
+    """The engine settings both (a) and (b)/(c) use."""
+    flags = {
+        "dtype": opts.dtype,
+        "max_model_len": opts.response_len + 64,
+        "enforce_eager": opts.enforce_eager,
+    }
+    if on_gpu():
+        flags["gpu_memory_utilization"] = opts.gpu_memory_utilization
+    return flags
+
+
+def vime_args(opts, model_dir: Path, log_dir: Path):
     from vime.utils.arguments import parse_args
 
-    return parse_args(
-        [
-            "--train-backend", "fsdp", "--debug-rollout-only",
-            "--hf-checkpoint", str(model_dir), "--prompt-data", str(model_dir / "train.jsonl"),
-            "--rollout-batch-size", str(prompts), "--n-samples-per-prompt", str(n),
-            "--rollout-max-response-len", str(length), "--rm-type", "exact", "--num-rollout", "1",
-            "--custom-generate-function-path", "__main__.fixed_length_generate",
-            "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", str(length + 32),
-            "--log-dir", str(log_dir),
-        ]
-    )  # fmt: skip
+    flags = engine_flags(opts)
+    argv = [
+        "--train-backend", "fsdp", "--debug-rollout-only",
+        "--hf-checkpoint", str(model_dir), "--prompt-data", str(model_dir / "train.jsonl"),
+        "--rollout-batch-size", str(opts.prompts), "--n-samples-per-prompt", str(opts.n_samples),
+        "--rollout-max-response-len", str(opts.response_len), "--rm-type", "exact", "--num-rollout", "1",
+        "--vllm-dtype", flags["dtype"], "--vllm-max-model-len", str(flags["max_model_len"]),
+        "--log-dir", str(log_dir),
+    ]  # fmt: skip
+    if opts.concurrency:
+        argv += ["--rollout-concurrency", str(opts.concurrency)]
+    if opts.enforce_eager:
+        argv += ["--vllm-enforce-eager"]
+    if "gpu_memory_utilization" in flags:
+        argv += ["--vllm-gpu-memory-utilization", str(flags["gpu_memory_utilization"])]
+    return parse_args(argv)
 
 
-def bench_offline(
-    model_dir: Path, prompt_ids: list[list[int]], n: int, length: int, repeats: int
-) -> list[float]:
+def fixed_length(sampling_params_from_args):
+    """Wrap vime's sampling parameters so that every response has exactly ``max_tokens`` tokens."""
+
+    def wrapped(args, evaluation=False):
+        return sampling_params_from_args(args, evaluation) | {"ignore_eos": True}
+
+    return wrapped
+
+
+def bench_offline(opts, model_dir: Path, prompt_ids: list[list[int]], logprobs: int | None) -> list[float]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=length + 32, seed=0)
-    params = SamplingParams(n=n, max_tokens=length, ignore_eos=True, temperature=1.0)
+    llm = LLM(str(model_dir), seed=0, **engine_flags(opts))
+    params = SamplingParams(
+        n=opts.n_samples, max_tokens=opts.response_len, ignore_eos=True, temperature=1.0, logprobs=logprobs
+    )
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
     rates = []
-    for i in range(repeats + 1):
+    for i in range(opts.repeats + 1):
         started = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         elapsed = time.perf_counter() - started
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         if i:  # the first batch is warm-up
             rates.append(tokens / elapsed)
+    llm.llm_engine.engine_core.shutdown()
     del llm
     return rates
 
 
-def bench_vime(args, log_dir: Path, repeats: int) -> list[float]:
-    from vime.rollout.rollout_manager import RolloutManager
+async def drive_directly(url: str, model: str, prompt_ids: list[list[int]], opts) -> float:
+    """Generated tokens/s of one batch sent straight to the engine by a bare aiohttp client."""
+    import aiohttp
 
+    limit = asyncio.Semaphore(opts.concurrency or 512)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one(ids: list[int]) -> int:
+            payload = {
+                "model": model, "prompt": ids, "n": opts.n_samples, "max_tokens": opts.response_len,
+                "ignore_eos": True, "temperature": 1.0, "logprobs": 0, "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+            }  # fmt: skip
+            async with limit, session.post(f"{url}/v1/completions", json=payload) as response:
+                body = await response.json()
+            return sum(len(c["token_ids"]) for c in body["choices"])
+
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
+        return tokens / (time.perf_counter() - started)
+
+
+def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> tuple[list[float], list[float]]:
+    """(direct, vime) rates against one server: the bare client first, then vime's rollout through the router."""
+    import vime.rollout.vllm_rollout as vllm_rollout
+    from vime.rollout.rollout_manager import RolloutManager
+    from vime.utils.async_utils import run
+
+    vllm_rollout.sampling_params_from_args = fixed_length(vllm_rollout.sampling_params_from_args)
     manager = RolloutManager(args, log_dir)
-    rates = []
+    direct, via_vime = [], []
     try:
         manager.start()
-        for i in range(repeats + 1):
+        url = manager.engines[0].url
+        for i in range(opts.repeats + 1):
+            rate = run(drive_directly(url, args.hf_checkpoint, prompt_ids, opts))
+            if i:
+                direct.append(rate)
+        for i in range(opts.repeats + 1):
             started = time.perf_counter()
             output = manager.generate(i)
             elapsed = time.perf_counter() - started
             tokens = sum(s.response_length for g in output.samples for s in g)
             if i:
-                rates.append(tokens / elapsed)
+                via_vime.append(tokens / elapsed)
     finally:
         manager.shutdown()
-    return rates
+    return direct, via_vime
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--shape", default="tiny", help="tiny (CPU, fp32) or a bench/shapes.py shape (GPU, bf16)"
+    )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--response-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench/results/rollout_throughput.json")
+    parser.add_argument(
+        "--concurrency", type=int, default=None, help="--rollout-concurrency (default: vime's)"
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (always on CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--out", default=None)
     opts = parser.parse_args()
+    gpu = on_gpu()
+    opts.dtype = "bfloat16" if gpu else "float32"
+    opts.enforce_eager = opts.enforce_eager or not gpu
 
+    from transformers import AutoTokenizer
+
+    from bench.shapes import build_shape, write_result
+    from vime.rollout.data_source import RolloutDataSource
     from vime.tools.make_tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="vime-bench-"))
-    model_dir = build_tiny_model(work / "model", seed=0)
-    args = vime_args(model_dir, work / "logs", opts.prompts, opts.n_samples, opts.response_len)
-    from transformers import AutoTokenizer
-
-    from vime.rollout.data_source import RolloutDataSource
-
+    model_dir = build_shape(opts.shape) if gpu else build_tiny_model(work / "model", seed=0)
+    args = vime_args(opts, model_dir, work / "logs")
     source = RolloutDataSource(args, AutoTokenizer.from_pretrained(model_dir))
     prompt_ids = [group[0].tokens for group in source.get_samples(opts.prompts)]
 
-    offline = bench_offline(model_dir, prompt_ids, opts.n_samples, opts.response_len, opts.repeats)
-    via_vime = bench_vime(args, work / "logs", opts.repeats)
-    result = {
-        "workload": {
-            "model": "tiny Qwen3 (2 layers, hidden 128, fp32)",
-            "prompts": opts.prompts,
-            "n_samples_per_prompt": opts.n_samples,
-            "response_len": opts.response_len,
-            "device": "cpu",
-            "cpu_count": os.cpu_count(),
+    offline = bench_offline(opts, model_dir, prompt_ids, logprobs=0)
+    offline_no_logprobs = bench_offline(opts, model_dir, prompt_ids, logprobs=None)
+    direct, via_vime = bench_served(args, prompt_ids, opts, work / "logs")
+    med = {k: statistics.median(v) for k, v in [("offline", offline), ("direct", direct), ("vime", via_vime)]}
+    graphs = "eager" if opts.enforce_eager else "cuda-graphs"
+    name = f"rollout_{opts.shape}_{graphs}_{opts.prompts}x{opts.n_samples}x{opts.response_len}"
+    write_result(
+        opts.out or f"bench/results/{name}.json",
+        {
+            "benchmark": "rollout_throughput",
+            "workload": {
+                "shape": opts.shape,
+                "dtype": opts.dtype,
+                "cuda_graphs": not opts.enforce_eager,
+                "prompts": opts.prompts,
+                "n_samples_per_prompt": opts.n_samples,
+                "response_len": opts.response_len,
+                "rollout_concurrency": args.rollout_concurrency,
+                "log_probs": "sampled token (logprobs=0) on every side",
+            },  # fmt: skip
+            "offline_tok_per_s": med["offline"],
+            "offline_without_logprobs_tok_per_s": statistics.median(offline_no_logprobs),
+            "direct_http_tok_per_s": med["direct"],
+            "vime_tok_per_s": med["vime"],
+            "ratio_vime_over_offline": med["vime"] / med["offline"],
+            "ratio_vime_over_direct": med["vime"] / med["direct"],
+            "runs": {
+                "offline": offline,
+                "offline_no_logprobs": offline_no_logprobs,
+                "direct": direct,
+                "vime": via_vime,
+            },
+            "summary": f"{name}: vime {med['vime']:,.0f} tok/s = {med['vime'] / med['offline']:.2f} x offline "
+            f"({med['offline']:,.0f}), {med['vime'] / med['direct']:.2f} x direct HTTP ({med['direct']:,.0f})",
         },
-        "offline_llm_generate_tok_per_s": statistics.median(offline),
-        "vime_rollout_tok_per_s": statistics.median(via_vime),
-        "ratio_vime_over_offline": statistics.median(via_vime) / statistics.median(offline),
-        "runs": {"offline": offline, "vime": via_vime},
-    }
-    out = Path(opts.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
-    print(f"written to {out}")
+    )
 
 
 if __name__ == "__main__":  # vLLM's offline engine spawns processes

@@ -3,7 +3,6 @@ sequence equal the in-process FSDPTrainer's (fp32) and differ from the pre-train
 
 from __future__ import annotations
 
-import asyncio
 import json
 import urllib.request
 
@@ -11,7 +10,8 @@ import pytest
 import torch
 
 from vime.backends.fsdp_utils.trainer import FSDPTrainer
-from vime.backends.vllm_utils.weight_sync import DistributedWeightSender, sync_weights
+from vime.backends.vllm_utils.weight_sync import sync_weights
+from vime.backends.vllm_utils.weight_transports import DiskTransport, DistributedTransport
 from vime.utils.types import Sample, Status
 
 pytestmark = pytest.mark.e2e
@@ -75,22 +75,26 @@ def test_sync_makes_the_engine_match_the_trainer(
     assert (new - old).abs().mean() > 1e-2
     assert (engine_log_probs(engine.url, SEQUENCE) - old).abs().mean() < 1e-3  # not synced yet
 
-    sender = DistributedWeightSender([engine.url], timeout_s=120) if transport == "distributed" else None
+    if transport == "distributed":
+        mover = DistributedTransport([engine.url], workers_per_engine=1, rank=0, timeout_s=120)
+    else:
+        mover = DiskTransport(tmp_path / "weights")
 
-    async def sync() -> dict[str, float]:
+    def sync() -> dict[str, float]:
         buckets = trainer.iter_weight_buckets(64 * 1024)  # several buckets
-        return await sync_weights(
-            [engine.url], buckets, transport, 3, disk_dir=tmp_path / "weights", sender=sender
-        )
+        return sync_weights([engine.url], buckets, mover, 3)
 
-    metrics = asyncio.run(sync())
+    metrics = sync()
     assert metrics["weight_sync/bytes"] > 0 and metrics["weight_sync/version"] == 3
+    assert metrics["weight_sync/gb_per_s"] > 0
     synced = engine_log_probs(engine.url, SEQUENCE)
     assert (synced - new).abs().mean() < 1e-3
     assert (synced - old).abs().mean() > 1e-2
 
-    if sender is not None:  # the group is reused: a second sync of the same weights keeps them
-        second = asyncio.run(sync())
+    if transport == "distributed":  # the group is reused: a second sync of the same weights keeps them
+        group = mover.group
+        second = sync()
+        assert mover.group is group
         assert second["weight_sync/bytes"] == metrics["weight_sync/bytes"]
         assert (engine_log_probs(engine.url, SEQUENCE) - new).abs().mean() < 1e-3
 

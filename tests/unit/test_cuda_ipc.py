@@ -8,13 +8,8 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from vime.backends.vllm_utils.cuda_ipc import (
-    ALIGN_BYTES,
-    flatten_bucket,
-    open_cuda_buffer,
-    share_cuda_buffer,
-    unflatten_bucket,
-)
+from vime.backends.vllm_utils.cuda_ipc import open_cuda_buffer, share_cuda_buffer
+from vime.utils.weight_buckets import ALIGN_BYTES, flatten_bucket, unflatten_bucket
 
 
 def _bucket() -> list[tuple[str, torch.Tensor]]:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
-from vime.backends.vllm_utils.control_client import EngineControlClient
+from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.router import connect_router, register_workers
 from vime.rollout.data_source import RolloutDataSource
@@ -143,17 +142,21 @@ class RolloutManager:
         return [engine.url for engine in self.engines]
 
     def sleep(self) -> None:
-        """Free the engines' GPU memory for training (``--offload-rollout``): weights go to host memory and the
-        KV cache is dropped. A no-op when they already sleep."""
+        """Free the engines' GPU memory for training (``--offload-rollout``): the weights and the KV cache are
+        dropped (level 2: every weight comes back with the next sync, so none is copied to host memory and back).
+        A no-op when they already sleep."""
         if not self.sleeping:
-            run(_on_every_engine(self.engine_urls(), lambda client: client.sleep(level=1)))
+            with EngineGroup(self.engine_urls()) as engines:
+                engines.run(lambda engine: engine.sleep(level=2))
             self.sleeping = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str]) -> None:
-        """Bring back what :meth:`sleep` freed, ``weights`` (before a weight sync) and/or ``kv_cache``."""
+        """Reallocate what :meth:`sleep` freed: ``weights`` (right before a weight sync fills them) and/or
+        ``kv_cache``."""
         tags = [tag for tag in tags if tag in self.sleeping]
         if tags:
-            run(_on_every_engine(self.engine_urls(), lambda client: client.wake_up(tags)))
+            with EngineGroup(self.engine_urls()) as engines:
+                engines.run(lambda engine: engine.wake_up(tags))
             self.sleeping -= set(tags)
 
     def set_weight_version(self, version: int) -> None:
@@ -184,15 +187,6 @@ class RolloutManager:
         for engine in self.engines:
             engine.stop()
         self.engines = []
-
-
-async def _on_every_engine(urls: list[str], call: Callable[[EngineControlClient], Awaitable]) -> None:
-    """Make one control call on every engine, concurrently."""
-    clients = [EngineControlClient(url) for url in urls]
-    try:
-        await asyncio.gather(*(call(client) for client in clients))
-    finally:
-        await asyncio.gather(*(client.close() for client in clients))
 
 
 async def _wait_all(engines: list[VLLMEngine], timeout: float) -> None:

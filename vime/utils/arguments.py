@@ -152,7 +152,15 @@ ROLLOUT = [
     ("--rollout-top-k", dict(type=int, default=-1, help="Top-k (-1: off).")),
     ("--rollout-stop", dict(nargs="+", default=None, help="Stop strings.")),
     ("--rollout-stop-token-ids", dict(type=int, nargs="+", default=None, help="Stop token ids.")),
-    ("--rollout-concurrency", dict(type=int, default=256, help="Max in-flight requests per engine.")),
+    (
+        "--rollout-concurrency",
+        dict(
+            type=int,
+            default=512,
+            help="Max in-flight requests per engine (a fresh group is one request of n samples), as slime's "
+            "--sglang-server-concurrency.",
+        ),
+    ),
     (
         "--vllm-router-ip",
         dict(default=None, help="Use an existing vllm-router at this address (start none)."),
@@ -273,8 +281,9 @@ SYNC = [
         "--update-weight-transport",
         dict(
             default=None,
-            choices=["disk", "distributed", "tensor"],
-            help="Weight sync transport (default: tensor with --colocate, else distributed).",
+            choices=["disk", "distributed", "nccl", "tensor"],
+            help="Weight sync transport (default: tensor with --colocate, else distributed; nccl is slime's name "
+            "for distributed).",
         ),
     ),
     (

@@ -4,6 +4,7 @@ coroutines that share long-lived objects (HTTP sessions, semaphores) across call
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -26,3 +27,8 @@ def background_loop() -> asyncio.AbstractEventLoop:
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` on the background loop and wait for its result (exceptions propagate)."""
     return asyncio.run_coroutine_threadsafe(coro, background_loop()).result()
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Start ``coro`` on the background loop without waiting; ``.result()`` waits (exceptions propagate)."""
+    return asyncio.run_coroutine_threadsafe(coro, background_loop())

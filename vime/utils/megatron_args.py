@@ -41,6 +41,14 @@ _MODEL = [
     ("--norm-epsilon", dict(type=float, default=1e-5, help="Norm epsilon.")),
     ("--swiglu", dict(action="store_true", help="Use SwiGLU MLPs.")),
     (
+        "--no-bias-swiglu-fusion",
+        dict(
+            action="store_false",
+            dest="bias_swiglu_fusion",
+            help="Run SwiGLU unfused (default: one torch.compile'd kernel, as in Megatron-LM).",
+        ),
+    ),
+    (
         "--disable-bias-linear",
         dict(action="store_false", dest="add_bias_linear", help="No bias in linear layers."),
     ),

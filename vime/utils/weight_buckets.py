@@ -1,4 +1,6 @@
-"""Group named tensors into buckets of bounded size, the unit every weight-sync transport moves."""
+"""Named tensors in buckets of bounded size (the unit every weight-sync transport moves), and a bucket flattened
+into one byte buffer (what the ``distributed`` and ``tensor`` transports send) with a JSON layout to read it back.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 Bucket = list[tuple[str, torch.Tensor]]
+ALIGN_BYTES = 64  # every tensor starts at a multiple of this in a flat buffer (any dtype can view it)
 
 
 def in_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], buffer_bytes: int) -> Iterator[Bucket]:
@@ -22,3 +25,55 @@ def in_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], buffer_bytes: 
         size += nbytes
     if bucket:
         yield bucket
+
+
+def with_last_flag(buckets: Iterable[Bucket]) -> Iterator[tuple[Bucket, bool]]:
+    """``(bucket, is_last)`` pairs, looking one bucket ahead."""
+    previous = None
+    for bucket in buckets:
+        if previous is not None:
+            yield previous, False
+        previous = bucket
+    if previous is not None:
+        yield previous, True
+
+
+def bucket_layout(bucket: Bucket) -> tuple[list[dict], int]:
+    """Where each tensor of ``bucket`` sits in its flat buffer (``{name, dtype, shape, offset}``, JSON-able), and
+    the buffer's size in bytes."""
+    layout, offset = [], 0
+    for name, tensor in bucket:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        layout.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "offset": offset})
+        offset += -(-tensor.numel() * tensor.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+    return layout, offset
+
+
+def flatten_bucket(
+    bucket: Bucket, device: torch.device, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[dict]]:
+    """Copy the bucket's tensors into one ``uint8`` buffer on ``device`` (the front of ``out`` when that is large
+    enough, else a new one); returns the buffer (exactly the bucket's size) and its layout."""
+    layout, nbytes = bucket_layout(bucket)
+    if out is None or out.numel() < nbytes or out.device != torch.device(device):
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buffer = out[:nbytes]
+    for entry, (_, tensor) in zip(layout, bucket, strict=True):
+        size = tensor.numel() * tensor.element_size()
+        target = buffer[entry["offset"] : entry["offset"] + size].view(tensor.dtype).view(tensor.shape)
+        target.copy_(tensor.detach(), non_blocking=True)
+    return buffer, layout
+
+
+def unflatten_bucket(buffer: torch.Tensor, layout: list[dict]) -> Bucket:
+    """The named tensors of a :func:`flatten_bucket` buffer, as views of it (no copy)."""
+    bucket = []
+    for entry in layout:
+        dtype = getattr(torch, entry["dtype"])
+        numel = 1
+        for size in entry["shape"]:
+            numel *= size
+        nbytes = numel * dtype.itemsize
+        view = buffer[entry["offset"] : entry["offset"] + nbytes].view(dtype).view(entry["shape"])
+        bucket.append((entry["name"], view))
+    return bucket

@@ -7,15 +7,17 @@ from torch import nn
 
 from vime.utils.ppo_utils import entropy_from_logits, log_probs_from_logits
 from vime.utils.train_data import PackedBatch
+from vime.utils.varlen_attention import VarlenBlocks
 
 
 def _inputs(batch: PackedBatch, device: torch.device) -> dict:
-    # use_cache=False matters: with a KV cache object transformers stops reading packing from position_ids and
-    # would let samples attend to each other. No attention_mask, for the same reason.
+    # position_ids restart at 0 per sample (RoPE); vime_blocks keeps samples apart in the packed attention
+    # (fsdp_utils.model.packed_attention). No KV cache and no attention mask.
     return {
         "input_ids": batch.input_ids.to(device).unsqueeze(0),
         "position_ids": batch.position_ids.to(device).unsqueeze(0),
         "use_cache": False,
+        "vime_blocks": VarlenBlocks.for_sequences(batch.total_lengths, device),
     }
 
 

@@ -14,12 +14,31 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-# sdpa runs on CPU and GPU, and transformers builds a block-diagonal causal mask for it from position_ids that
-# restart at 0 (masking_utils.find_packed_sequence_indices): packed samples never attend to each other.
-ATTN_IMPLEMENTATION = "sdpa"
+from vime.utils.varlen_attention import packed_causal_attention
+
+# Packed micro-batches: each sample attends only to itself, through vime's varlen attention (FlashAttention-2
+# varlen kernels on GPU in bf16, one SDPA call per sample otherwise); transformers builds no mask for it.
+ATTN_IMPLEMENTATION = "vime_packed"
 ROLES = ("actor", "critic")
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function for packed rows (``query`` [1, heads, T, d], key/value [1, groups, T, d]);
+    the forward call passes the row's :class:`VarlenBlocks` as ``vime_blocks``."""
+    blocks = kwargs.get("vime_blocks")
+    if blocks is None or query.shape[0] != 1 or dropout:
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION} attention takes one packed row (batch 1, no dropout) and vime_blocks=VarlenBlocks "
+            "in the forward call (vime.backends.fsdp_utils.log_probs does this)"
+        )
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads or groups, d]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return packed_causal_attention(q, k, v, blocks, scale).unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)
 
 
 def compute_dtype(args: argparse.Namespace) -> torch.dtype:

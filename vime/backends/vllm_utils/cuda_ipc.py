@@ -1,5 +1,5 @@
-"""The pieces of the ``tensor`` weight-sync transport (DESIGN.md §5, colocated GPU runs): a bucket flattened into
-one byte buffer, and that buffer shared with another process on the same GPU through a CUDA IPC handle.
+"""The ``tensor`` weight-sync transport's handle (DESIGN.md §5, colocated GPU runs): a flat byte buffer
+(``vime.utils.weight_buckets.flatten_bucket``) shared with another process on the same GPU through CUDA IPC.
 
 Everything crosses the engine's HTTP ``/collective_rpc`` route as JSON: the handle's bytes are base64 text and
 the buffer's layout is a list of ``{name, dtype, shape, offset}``. No pickle is read from the wire.
@@ -11,45 +11,6 @@ import base64
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-
-from vime.utils.weight_buckets import Bucket
-
-ALIGN_BYTES = 64  # every tensor starts at a multiple of this in the flat buffer (any dtype can view it)
-
-
-def flatten_bucket(bucket: Bucket, device: torch.device) -> tuple[torch.Tensor, list[dict]]:
-    """Copy the bucket's tensors into one ``uint8`` buffer on ``device``; returns it and its layout."""
-    layout, offset = [], 0
-    for name, tensor in bucket:
-        layout.append(
-            {
-                "name": name,
-                "dtype": str(tensor.dtype).removeprefix("torch."),
-                "shape": list(tensor.shape),
-                "offset": offset,
-            }
-        )
-        offset += -(-tensor.numel() * tensor.element_size() // ALIGN_BYTES) * ALIGN_BYTES
-    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
-    for entry, (_, tensor) in zip(layout, bucket, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        target = buffer[entry["offset"] : entry["offset"] + nbytes].view(tensor.dtype).view(tensor.shape)
-        target.copy_(tensor.detach())
-    return buffer, layout
-
-
-def unflatten_bucket(buffer: torch.Tensor, layout: list[dict]) -> Bucket:
-    """The named tensors of a :func:`flatten_bucket` buffer, as views of it (no copy)."""
-    bucket = []
-    for entry in layout:
-        dtype = getattr(torch, entry["dtype"])
-        numel = 1
-        for size in entry["shape"]:
-            numel *= size
-        nbytes = numel * dtype.itemsize
-        view = buffer[entry["offset"] : entry["offset"] + nbytes].view(dtype).view(entry["shape"])
-        bucket.append((entry["name"], view))
-    return bucket
 
 
 def gpu_uuid(device: torch.device | int) -> str:

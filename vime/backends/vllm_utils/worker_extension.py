@@ -13,13 +13,15 @@ The weight group is a standalone process group (a ``TCPStore`` hosted by the tra
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from vime.backends.vllm_utils.cuda_ipc import open_cuda_buffer, unflatten_bucket
+from vime.backends.vllm_utils.cuda_ipc import open_cuda_buffer
+from vime.utils.weight_buckets import unflatten_bucket
 
 STORE_PREFIX = "vime_weight_sync"
 
@@ -97,34 +99,44 @@ class VimeWorkerExtension:
             timeout_s,
         )
 
-    def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], final: bool = True
-    ) -> None:
-        """Receive one bucket (tensors broadcast from rank 0 in ``names`` order); on the ``final`` bucket load
-        everything received since the last load into the model at once."""
+    def update_weights_from_distributed(self, layout: list[dict], nbytes: int, final: bool = True) -> None:
+        """Receive one bucket, flattened into ``nbytes`` bytes (``layout``: ``weight_buckets.bucket_layout``),
+        broadcast from rank 0, and load it."""
         group = self._vime_weight_group
         if group is None:
             raise RuntimeError("update_weights_from_distributed before init_weight_update_group")
-        staged = self.__dict__.setdefault("_vime_staged_weights", [])
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=group.device)
-            group.broadcast(tensor).wait()
-            staged.append((name, tensor))
+        buffer = torch.empty(int(nbytes), dtype=torch.uint8, device=group.device)
+        group.broadcast(buffer).wait()
+        self._vime_load(unflatten_bucket(buffer, layout), final)
+
+    def update_weights_from_ipc(self, buffers: list[dict], final: bool = True) -> None:
+        """``tensor`` transport: map this worker's entry of ``buffers`` (``{"handle", "layout"}``, one per engine
+        worker, shared by the training rank on the same GPU) and load the bucket from it. A buffer stays mapped
+        until the ``final`` bucket of the sync (the sender reuses two buffers for every bucket)."""
+        entry = buffers[self.rank]
+        mapped = self.__dict__.setdefault("_vime_ipc_buffers", {})
+        key = json.dumps(entry["handle"], sort_keys=True)
+        if key not in mapped:
+            mapped[key] = open_cuda_buffer(entry["handle"])
+        self._vime_load(unflatten_bucket(mapped[key], entry["layout"]), final)
         if final:
-            # One reload for the whole model: vLLM's layer-wise reload treats layers missing from a partial
-            # iterator as failed. Not model.load_weights: on CPU loaded weights were repacked into kernel format
-            # (their weight_loader is gone); the worker's reload path restores the loaders and re-processes.
+            mapped.clear()
+            torch.cuda.ipc_collect()
+
+    def _vime_load(self, weights: list[tuple[str, torch.Tensor]], final: bool) -> None:
+        """Load one bucket of HF-named weights. On GPU straight into the model (``load_weights`` copies them, so
+        the bucket's buffer can go). On CPU vLLM repacks loaded weights into kernel formats and drops their
+        loaders, so buckets are kept until the ``final`` one and the whole model is reloaded at once (its
+        layer-wise reload also treats layers missing from a partial iterator as failed)."""
+        if torch.cuda.is_available():
+            self.model_runner.get_model().load_weights(weights=weights)
+            torch.cuda.synchronize()
+            return
+        staged = self.__dict__.setdefault("_vime_staged_weights", [])
+        staged.extend(weights)
+        if final:
             self.reload_weights(weights_iterator=list(staged), is_checkpoint_format=True)
             staged.clear()
-
-    def update_weights_from_ipc(self, buffers: list[dict]) -> None:
-        """``tensor`` transport: map this worker's entry of ``buffers`` (``{"handle", "layout"}``, one per engine
-        worker, shared by the trainer rank on the same GPU) and load the bucket in place with the model's
-        ``load_weights`` (GPU only; the sender frees the buffer once this returns)."""
-        entry = buffers[self.rank]
-        weights = unflatten_bucket(open_cuda_buffer(entry["handle"]), entry["layout"])
-        self.model_runner.get_model().load_weights(weights=weights)
-        torch.cuda.synchronize()
 
     def destroy_weight_update_group(self) -> None:
         """Leave the weight group (drop this worker's members of it)."""

@@ -1,0 +1,73 @@
+"""Model shapes the GPU benchmarks use (random-init Qwen3 checkpoints built on the machine, vocab 61), and the
+helpers every benchmark shares: build (or reuse) a checkpoint, count its parameters, write a JSON result."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+# make_tiny_model flags of each shape (Qwen3 dense layouts; vocab is the tiny model's 61 tokens, so the LM head
+# is negligible and every figure is about the transformer body).
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "0.6b": dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=3072),
+    "4b": dict(num_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               intermediate_size=9728),
+}  # fmt: skip
+
+# dense bf16 tensor-core peak by the vendor's datasheet (H100 SXM and H200 share it), for MFU
+PEAK_BF16_FLOPS = 989e12
+CACHE = Path(os.environ.get("VIME_BENCH_CACHE", "/tmp/vime-bench"))
+
+
+def build_shape(shape: str, dtype: str = "bfloat16", max_position_embeddings: int = 4096) -> Path:
+    """The HF checkpoint of ``shape`` under ``$VIME_BENCH_CACHE`` (built once per machine), with the add3 task
+    data for prompts."""
+    from vime.tools.make_tiny_model import build_tiny_model
+
+    out = CACHE / f"{shape}-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    started = time.monotonic()
+    build_tiny_model(
+        out, seed=0, dtype=dtype, max_position_embeddings=max_position_embeddings, **SHAPES[shape]
+    )
+    print(f"[bench] built {shape} ({dtype}) in {time.monotonic() - started:.0f} s -> {out}", flush=True)
+    return out
+
+
+def matmul_params(model_dir: Path) -> int:
+    """Parameters that take part in matrix products per token: all but the input embedding table."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                if "embed_tokens" not in name:
+                    shape = f.get_slice(name).get_shape()
+                    n = 1
+                    for size in shape:
+                        n *= size
+                    total += n
+    return total
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+
+
+def write_result(path: str | Path, result: dict[str, Any]) -> None:
+    """Write ``result`` (plus date and machine) as JSON, and print its one-line summary."""
+    result = {"date": time.strftime("%Y-%m-%d"), "device": gpu_name(), "host": platform.node(), **result}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"[bench] {result.get('summary', '')}  -> {path}", flush=True)

@@ -1,0 +1,193 @@
+"""Trainer throughput: one GRPO training step of a realistic shape (old-log-prob forward + forward/backward +
+optimizer step), tokens/s and MFU, for the Megatron or the FSDP backend, on 1 GPU or more (``torchrun``).
+
+MFU counts model FLOPs as in the issue: ``8 x params x tokens`` per step (2 for the old-log-prob forward, 6 for
+forward + backward; recompute and attention are not counted), against the dense bf16 peak (989 TFLOP/s for H100
+and H200). Step 0 is warm-up; the median of the others is reported.
+
+    python bench/trainer_throughput.py --backend megatron --recompute full         # one GPU
+    torchrun --nproc-per-node 2 bench/trainer_throughput.py --backend fsdp --recompute full
+    python bench/trainer_throughput.py --backend megatron --profile                # + a kernel table
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
+
+import torch  # noqa: E402
+
+from bench.shapes import PEAK_BF16_FLOPS, build_shape, matmul_params, write_result  # noqa: E402
+
+
+def trainer_argv(opts, model_dir: Path) -> list[str]:
+    argv = [
+        "--train-backend", opts.backend, "--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl",
+        "--rollout-batch-size", str(opts.samples // opts.n_samples), "--n-samples-per-prompt", str(opts.n_samples),
+        "--global-batch-size", str(opts.samples), "--num-rollout", "100", "--bf16", "--lr", "1e-6",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu),
+    ]  # fmt: skip
+    if opts.backend == "megatron":
+        from vime.backends.megatron_utils.hf_config import flags_from_hf_config, flags_to_argv, load_hf_config
+
+        argv += flags_to_argv(flags_from_hf_config(load_hf_config(model_dir)))
+        if opts.recompute == "full":
+            argv += [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ]
+        elif opts.recompute == "selective":
+            argv += ["--recompute-granularity", "selective"]
+        argv += ["--use-distributed-optimizer"] if int(os.environ.get("WORLD_SIZE", "1")) > 1 else []
+    elif opts.recompute != "none":
+        argv += ["--gradient-checkpointing"]
+    return argv + opts.extra
+
+
+def synthetic_samples(opts, vocab: int):
+    """``--samples`` samples of ``--seq-len`` tokens (``--response-len`` of them the response), rewards 0/1."""
+    from vime.utils.types import Sample, Status
+
+    g = torch.Generator().manual_seed(0)
+    return [
+        Sample(index=i, group_index=i // opts.n_samples, tokens=torch.randint(4, vocab, (opts.seq_len,), generator=g).tolist(),
+               response_length=opts.response_len, reward=float(i % 2), status=Status.COMPLETED)
+        for i in range(opts.samples)
+    ]  # fmt: skip
+
+
+def kernel_table(prof, rows: int = 30) -> str:
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["megatron", "fsdp"], default="megatron")
+    p.add_argument("--shape", default="4b")
+    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--n-samples", type=int, default=8, help="samples per prompt (GRPO groups)")
+    p.add_argument("--seq-len", type=int, default=524)
+    p.add_argument("--response-len", type=int, default=512)
+    p.add_argument("--max-tokens-per-gpu", type=int, default=8192)
+    p.add_argument("--recompute", choices=["none", "full", "selective"], default="full")
+    p.add_argument("--steps", type=int, default=3, help="steps after the warm-up one")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the last step's CUDA kernels (table in $OUT); use few --samples",
+    )
+    p.add_argument(
+        "--out", default=None, help="JSON path (default bench/results/trainer_<backend>_<...>.json)"
+    )
+    p.add_argument("extra", nargs="*", help="more vime flags, after --")
+    opts = p.parse_args()
+
+    from vime.utils.arguments import parse_args
+    from vime.utils.distributed import init_distributed
+    from vime.utils.train_data import shape_rewards
+
+    init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model_dir = build_shape(opts.shape) if rank == 0 else None
+    box = [str(model_dir) if model_dir else None]
+    torch.distributed.broadcast_object_list(box, 0)
+    model_dir = Path(box[0])
+    args = parse_args(trainer_argv(opts, model_dir))
+    if opts.backend == "megatron":
+        from vime.backends.megatron_utils.trainer import MegatronTrainer as Trainer
+    else:
+        from vime.backends.fsdp_utils.trainer import FSDPTrainer as Trainer
+    started = time.monotonic()
+    trainer = Trainer(args)
+    build_s = time.monotonic() - started
+    samples = synthetic_samples(opts, 61)
+    groups = [samples[i : i + opts.n_samples] for i in range(0, len(samples), opts.n_samples)]
+    rewards = shape_rewards(args, groups)
+    from vime.utils.train_data import split_rollout
+
+    mine = split_rollout([len(s.tokens) for s in samples], trainer.dp_size, opts.samples)[trainer.dp_rank]
+    my_samples, my_rewards = [samples[i] for i in mine], [rewards[i] for i in mine]
+
+    timings = []
+    prof_text = None
+    for step in range(opts.steps + 1):
+        profiling = opts.profile and step == opts.steps
+        prof = None
+        if profiling:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        log_probs = trainer.compute_log_probs(my_samples)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        trainer.train(step, my_samples, my_rewards, log_probs=log_probs)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            prof_text = kernel_table(prof)
+        timings.append((t1 - t0, t2 - t1))
+        if rank == 0:
+            print(f"[bench] step {step}: log-probs {t1 - t0:.2f} s, train {t2 - t1:.2f} s", flush=True)
+    measured = timings[1:] if len(timings) > 1 else timings
+    log_prob_s = statistics.median(t for t, _ in measured)
+    train_s = statistics.median(t for _, t in measured)
+    total_s = log_prob_s + train_s
+    tokens = opts.samples * opts.seq_len
+    params = matmul_params(model_dir)
+    flops = 8 * params * tokens
+    mfu = flops / total_s / (PEAK_BF16_FLOPS * world)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    if rank == 0:
+        if prof_text:
+            out_dir = Path(os.environ.get("OUT", "/tmp"))
+            name = f"profile_{opts.backend}_{opts.shape}_{opts.recompute}_{world}gpu.txt"
+            (out_dir / name).write_text(prof_text)
+            print(prof_text[:6000])
+        config = (
+            f"{opts.backend}_{opts.shape}_{world}gpu_recompute-{opts.recompute}_mtpg{opts.max_tokens_per_gpu}"
+        )
+        write_result(
+            opts.out or f"bench/results/trainer_{config}.json",
+            {
+                "benchmark": "trainer_throughput",
+                "workload": {
+                    "backend": opts.backend,
+                    "shape": opts.shape,
+                    "gpus": world,
+                    "samples": opts.samples,
+                    "seq_len": opts.seq_len,
+                    "response_len": opts.response_len,
+                    "recompute": opts.recompute,
+                    "max_tokens_per_gpu": opts.max_tokens_per_gpu,
+                    "matmul_params": params,
+                    "extra": opts.extra,
+                },  # fmt: skip
+                "build_s": build_s,
+                "log_prob_s": log_prob_s,
+                "train_s": train_s,
+                "step_s": total_s,
+                "tokens_per_s": tokens / total_s,
+                "mfu": mfu,
+                "peak_memory_gib": peak_gib,
+                "runs": timings,
+                "summary": f"{config}: {total_s:.2f} s/step (log-probs {log_prob_s:.2f} + train {train_s:.2f}), "
+                f"{tokens / total_s:,.0f} tok/s, MFU {mfu:.1%}, peak {peak_gib:.1f} GiB",
+            },
+        )
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Weight sync without engines: the protocol's order (pause -> move -> reset -> resume, resume also on failure)
+with a fake engine group, the disk transport's writer, and the flat buckets the other transports send."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import vime.backends.vllm_utils.weight_sync as weight_sync
+from vime.backends.vllm_utils.weight_transports import _PingPong, write_hf_safetensors
+from vime.utils.weight_buckets import (
+    bucket_layout,
+    flatten_bucket,
+    in_buckets,
+    unflatten_bucket,
+    with_last_flag,
+)
+
+
+class RecordingEngines:
+    """Stands in for EngineGroup: records the control calls made on the engines, in order."""
+
+    calls: list[str] = []
+
+    def __init__(self, urls):
+        self.urls = urls
+
+    def run(self, call):
+        call(self)
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: RecordingEngines.calls.append(name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        RecordingEngines.calls.append("close")
+
+
+class FakeTransport:
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def stage(self, buckets, rank):
+        RecordingEngines.calls.append("stage")
+        return buckets, 0
+
+    def move(self, buckets, engines, rank):
+        nbytes = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
+        if engines is not None:
+            engines.calls.append("move")
+        if self.fail:
+            raise RuntimeError("engine refused the bucket")
+        return nbytes
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    RecordingEngines.calls = []
+    monkeypatch.setattr(weight_sync, "EngineGroup", RecordingEngines)
+    return RecordingEngines
+
+
+def _buckets():
+    return iter([[("a", torch.zeros(4))], [("b", torch.zeros(2, dtype=torch.bfloat16))]])
+
+
+def test_protocol_pauses_moves_resets_and_resumes_in_order(engines):
+    metrics = weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(), version=7)
+    assert engines.calls == ["stage", "pause", "move", "reset_prefix_cache", "resume", "close"]
+    assert metrics["weight_sync/bytes"] == 20 and metrics["weight_sync/version"] == 7
+    assert metrics["weight_sync/gb_per_s"] > 0
+
+
+def test_engines_resume_when_the_move_fails(engines):
+    with pytest.raises(RuntimeError, match="refused"):
+        weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(fail=True), version=1)
+    assert engines.calls == ["stage", "pause", "move", "resume", "close"]
+
+
+def test_other_ranks_only_take_part_in_the_move(engines):
+    assert weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(), version=1, rank=1) == {}
+    assert engines.calls == ["stage"]
+
+
+def test_buckets_and_the_last_flag():
+    named = [(str(i), torch.zeros(i + 1)) for i in range(4)]  # 4, 8, 12, 16 bytes
+    buckets = list(in_buckets(named, 12))
+    assert [[n for n, _ in b] for b in buckets] == [["0", "1"], ["2"], ["3"]]
+    assert [last for _, last in with_last_flag(iter(buckets))] == [False, False, True]
+    assert list(with_last_flag(iter([]))) == []
+
+
+def test_flatten_reuses_a_large_enough_buffer_and_round_trips():
+    g = torch.Generator().manual_seed(0)
+    bucket = [("w", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16))]
+    layout, nbytes = bucket_layout(bucket)
+    big = torch.empty(nbytes + 100, dtype=torch.uint8)
+    buffer, again = flatten_bucket(bucket, torch.device("cpu"), big)
+    assert again == layout and buffer.numel() == nbytes and buffer.data_ptr() == big.data_ptr()
+    assert all(
+        torch.equal(x, y) for (_, x), (_, y) in zip(unflatten_bucket(buffer, layout), bucket, strict=True)
+    )
+    small, _ = flatten_bucket(bucket, torch.device("cpu"), torch.empty(8, dtype=torch.uint8))
+    assert small.numel() == nbytes  # too small: a new buffer
+
+
+def test_ping_pong_buffers_alternate_and_grow():
+    staging = _PingPong(torch.device("cpu"))
+    one, two = [("x", torch.ones(16))], [("x", torch.ones(64))]
+    first, _, new0 = staging.fill(0, one)
+    second, _, new1 = staging.fill(1, one)
+    again, _, new2 = staging.fill(2, one)
+    grown, _, new3 = staging.fill(3, two)
+    assert new0 and new1 and not new2 and new3
+    assert again.data_ptr() == first.data_ptr() != second.data_ptr()
+    assert grown.numel() == 256
+
+
+def test_written_files_load_back_equal_and_replace_old_ones(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        "model.embed_tokens.weight": torch.randn(8, 4, generator=g),
+        "model.norm.weight": torch.randn(4, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(6, 4, generator=g).t(),  # non-contiguous
+    }
+    (tmp_path / "stale.safetensors").write_bytes(b"old")
+    buckets = [[(name, weights[name])] for name in weights]
+    nbytes = write_hf_safetensors(iter(buckets), tmp_path)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert [f.name for f in files] == [f"model-{i:05d}.safetensors" for i in range(3)]
+    loaded = {name: t for f in files for name, t in load_file(f).items()}
+    assert loaded.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(loaded[name], tensor) and loaded[name].dtype == tensor.dtype
+    assert nbytes == sum(t.numel() * t.element_size() for t in weights.values())

@@ -1,0 +1,281 @@
+"""How weights move from the training ranks into the engines; ``weight_sync.sync_weights`` runs the protocol around
+them (DESIGN.md §5). Each transport has two steps: ``stage`` (before the engines pause; returns the buckets still to
+move and the bytes already staged) and ``move`` (engines paused; returns the bytes moved). ``engines`` is rank 0's
+:class:`~.control_client.EngineGroup`; other ranks get None and only take part in the collectives.
+
+- ``disk``: rank 0 writes HF safetensors into a directory the engines can read, while they still generate; then
+  every engine ``reload_weights`` from it.
+- ``distributed``: rank 0 broadcasts each bucket, flattened into one byte buffer, over a weight process group
+  spanning it and every engine worker (NCCL on GPU, gloo on CPU); the workers load it
+  (``worker_extension.VimeWorkerExtension``).
+- ``tensor`` (colocated GPU runs): the training rank on each engine worker's GPU flattens each bucket into a
+  staging buffer shared once per sync through CUDA IPC; the worker loads straight from it.
+
+``distributed`` and ``tensor`` pipeline two buckets: the next bucket is gathered and flattened (into the other of
+two staging buffers) while the engines load the previous one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from vime.backends.vllm_utils.control_client import EngineGroup
+from vime.backends.vllm_utils.cuda_ipc import share_cuda_buffer
+from vime.backends.vllm_utils.worker_extension import WeightGroup, create_weight_group
+from vime.utils.misc import free_port
+from vime.utils.weight_buckets import Bucket, flatten_bucket, with_last_flag
+
+
+class Transport(Protocol):
+    def stage(self, buckets: Iterator[Bucket], rank: int) -> tuple[Iterator[Bucket], int]: ...
+
+    def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int: ...
+
+
+def _drain(buckets: Iterable[Bucket]) -> int:
+    """Iterate the buckets (a rank that sends nothing still takes part in their gathers); their bytes."""
+    return sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket)
+
+
+def write_hf_safetensors(buckets: Iterable[Bucket], out_dir: str | Path) -> int:
+    """Write each bucket as ``out_dir/model-NNNNN.safetensors`` (after removing old ``*.safetensors`` and index
+    files there, since vLLM loads every safetensors file in the directory); return the bytes written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+        old.unlink()
+    nbytes = 0
+    for i, bucket in enumerate(buckets):
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in bucket}
+        save_file(tensors, str(out / f"model-{i:05d}.safetensors"), metadata={"format": "pt"})
+        nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    return nbytes
+
+
+class DiskTransport:
+    """``disk``: safetensors files in ``directory`` (shared with the engines), then ``reload_weights``."""
+
+    def __init__(self, directory: str | Path | None):
+        if directory is None:
+            raise ValueError(
+                "the disk weight-sync transport needs a shared directory: pass --update-weight-dir"
+            )
+        self.directory = Path(directory)
+
+    def stage(self, buckets: Iterator[Bucket], rank: int) -> tuple[Iterator[Bucket], int]:
+        if rank != 0:
+            _drain(buckets)
+            return iter(()), 0
+        return iter(()), write_hf_safetensors(buckets, self.directory)
+
+    def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
+        if engines is not None:
+            engines.run(lambda engine: engine.reload_weights(str(self.directory)))
+        return 0
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (what engine workers there can reach)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP connect sends nothing; it only picks the route
+        return probe.getsockname()[0]
+
+
+class DistributedTransport:
+    """``distributed``: rank 0's end of one weight group with every worker of every engine (engine ``i``'s workers
+    are ranks ``1 + i * workers_per_engine + worker rank``), built at the first sync and reused. If a move fails
+    the group may be left mid-collective: it is dropped and the next sync builds a new one."""
+
+    def __init__(
+        self,
+        engine_urls: Sequence[str],
+        workers_per_engine: int,
+        rank: int,
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+    ):
+        self.engine_urls = list(engine_urls)
+        self.workers_per_engine = workers_per_engine
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        self.world_size = 1 + len(self.engine_urls) * workers_per_engine
+        self.group: WeightGroup | None = None
+
+    def stage(self, buckets: Iterator[Bucket], rank: int) -> tuple[Iterator[Bucket], int]:
+        return buckets, 0
+
+    def connect(self, engines: EngineGroup) -> None:
+        """Build the group: rank 0 joins (in a thread: it blocks until every rank joins) while every engine's
+        workers join through ``init_weight_update_group``."""
+        address = _address_towards(urlparse(self.engine_urls[0]).hostname or "127.0.0.1")
+        port = free_port()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            join = pool.submit(
+                create_weight_group, address, port, 0, self.world_size, self.backend, self.timeout_s
+            )
+            engines.run(
+                [
+                    lambda engine, offset=offset: engine.collective_rpc(
+                        "init_weight_update_group",
+                        kwargs=dict(
+                            master_address=address,
+                            master_port=port,
+                            rank_offset=offset,
+                            world_size=self.world_size,
+                            backend=self.backend,
+                            timeout_s=self.timeout_s,
+                        ),  # fmt: skip
+                    )
+                    for offset in range(1, self.world_size, self.workers_per_engine)
+                ]
+            )
+            self.group = join.result()
+
+    def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
+        if engines is None:
+            return _drain(buckets)
+        if self.group is None:
+            self.connect(engines)
+        staging = _PingPong(self.group.device)
+        sent: list[dist.Work | None] = [None, None]
+        loading: concurrent.futures.Future | None = None
+        nbytes = 0
+        try:
+            for k, (bucket, final) in enumerate(with_last_flag(buckets)):
+                if sent[k % 2] is not None:
+                    sent[k % 2].wait()  # the broadcast of bucket k-2 has left this buffer
+                buffer, layout, _ = staging.fill(k, bucket)
+                if loading is not None:
+                    loading.result()  # bucket k-1 is in every engine
+                kwargs = {"layout": layout, "nbytes": buffer.numel(), "final": final}
+                # the engines must be receiving before the broadcast can finish: the calls start first, then the
+                # broadcast is queued (asynchronous), and the next bucket is gathered meanwhile
+                loading = engines.submit(
+                    lambda engine, kwargs=kwargs: engine.collective_rpc(
+                        "update_weights_from_distributed", kwargs=kwargs
+                    )
+                )
+                sent[k % 2] = self.group.broadcast(buffer)
+                nbytes += buffer.numel()
+            if loading is not None:
+                loading.result()
+            for work in sent:
+                if work is not None:
+                    work.wait()
+        except BaseException:
+            self.group = None  # possibly mid-collective: the next sync builds a new group
+            raise
+        return nbytes
+
+
+class TensorTransport:
+    """``tensor``: CUDA IPC between each training rank and the engine worker on its GPU (engine ``i``'s worker
+    ``w`` shares a GPU with training rank ``i * workers_per_engine + w``). Per bucket every sharing rank flattens
+    it into a staging buffer, rank 0 gathers the buffers' handles and layouts and has every worker load its own,
+    and every rank learns whether that worked (so an engine error fails all ranks on the same bucket)."""
+
+    def __init__(self, num_workers: int, workers_per_engine: int):
+        self.num_workers = num_workers
+        self.workers_per_engine = workers_per_engine
+
+    def stage(self, buckets: Iterator[Bucket], rank: int) -> tuple[Iterator[Bucket], int]:
+        return buckets, 0
+
+    def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "--update-weight-transport tensor (CUDA IPC) needs GPUs; use distributed or disk"
+            )
+        world_size = dist.get_world_size()
+        if self.num_workers > world_size:
+            raise ValueError(
+                f"{self.num_workers} colocated engine workers but {world_size} training ranks: with the tensor "
+                "transport every engine GPU must hold a training rank (--rollout-num-gpus <= the actor's GPUs)"
+            )
+        staging = _PingPong(torch.device("cuda", torch.cuda.current_device()))
+        handles: list[dict | None] = [None, None]
+        loading: concurrent.futures.Future | None = None
+        nbytes = 0
+        try:
+            for k, (bucket, final) in enumerate(with_last_flag(buckets)):
+                # buffer k % 2 is free: bucket k-2's load ended before any rank passed the last status gather
+                shared = None
+                if rank < self.num_workers:
+                    buffer, layout, new = staging.fill(k, bucket)
+                    if new:  # shared once; the engine worker keeps it mapped for the rest of the sync
+                        handles[k % 2] = share_cuda_buffer(buffer)
+                    torch.cuda.current_stream().synchronize()  # written before another process reads it
+                    shared = {"handle": handles[k % 2], "layout": layout}
+                everyone: list = [None] * world_size
+                dist.all_gather_object(everyone, shared)
+                error = None
+                if engines is not None:
+                    error = _wait(loading)
+                    if error is None:
+                        per_engine = [
+                            {"buffers": everyone[i : i + self.workers_per_engine], "final": final}
+                            for i in range(0, self.num_workers, self.workers_per_engine)
+                        ]
+                        loading = engines.submit(
+                            [
+                                lambda engine, kwargs=kwargs: engine.collective_rpc(
+                                    "update_weights_from_ipc", kwargs=kwargs
+                                )
+                                for kwargs in per_engine
+                            ]
+                        )
+                _agree_on(error)
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            _agree_on(_wait(loading) if engines is not None else None)
+        finally:
+            staging = handles = None
+            torch.cuda.ipc_collect()
+        return nbytes
+
+
+class _PingPong:
+    """Two flat byte buffers on ``device`` that buckets take in turn (bucket ``k`` uses buffer ``k % 2``), each
+    reallocated when a bucket does not fit."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: list[torch.Tensor | None] = [None, None]
+
+    def fill(self, k: int, bucket: Bucket) -> tuple[torch.Tensor, list[dict], bool]:
+        """Flatten bucket ``k`` into its buffer: the filled front of it, the layout, and whether the buffer is new."""
+        old = self.buffers[k % 2]
+        buffer, layout = flatten_bucket(bucket, self.device, old)
+        new = old is None or buffer.data_ptr() != old.data_ptr()
+        if new:
+            self.buffers[k % 2] = buffer
+        return buffer, layout, new
+
+
+def _wait(future: concurrent.futures.Future | None) -> BaseException | None:
+    """Wait for ``future``; its exception, or None."""
+    if future is None:
+        return None
+    try:
+        future.result()
+    except Exception as exc:  # every rank must hear of it, or they wait at the next bucket
+        return exc
+    return None
+
+
+def _agree_on(error: BaseException | None) -> None:
+    """Share rank 0's error (or None) with every rank; all raise together."""
+    status: list = [None] * dist.get_world_size()
+    dist.all_gather_object(status, None if error is None else repr(error))
+    if error is not None:
+        raise error
+    if status[0] is not None:
+        raise RuntimeError(f"weight sync failed on training rank 0: {status[0]}")

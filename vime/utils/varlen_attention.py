@@ -1,0 +1,133 @@
+"""Causal attention over packed variable-length sequences, shared by both training backends.
+
+A packed micro-batch holds many sequences in one row of ``[tokens, heads, head_dim]``. :class:`VarlenBlocks`
+says which query rows attend to which key rows: block ``i``'s queries are the last rows of its key range
+(causal, aligned to the end of the range, which covers both whole sequences and context-parallel chunks).
+
+On CUDA in fp16/bf16 the whole micro-batch runs as one FlashAttention-2 varlen launch per layer (PyTorch's own
+ATen flash kernels, forward and backward; grouped-query heads need no expansion). Elsewhere (CPU, fp32: the
+exactness tests) each block is one ``scaled_dot_product_attention`` call, with no mask materialised either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+@dataclass
+class VarlenBlocks:
+    """``blocks``: ``(q_start, q_end, k_start, k_end)`` per attention block, query rows consecutive from 0; the
+    queries of a block sit at the last ``q_end - q_start`` positions of its key range. Tensors on ``device``."""
+
+    blocks: list[tuple[int, int, int, int]]
+    device: torch.device
+
+    @classmethod
+    def for_sequences(cls, lengths: list[int], device) -> VarlenBlocks:
+        """Whole sequences packed back to back, each attending to itself."""
+        starts = [0, *accumulate(lengths)]
+        return cls([(a, b, a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)], torch.device(device))
+
+    @cached_property
+    def cu_seqlens_q(self) -> torch.Tensor:
+        return self._cumulative([b - a for a, b, _, _ in self.blocks])
+
+    @cached_property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        return self._cumulative([d - c for _, _, c, d in self.blocks])
+
+    @property
+    def max_q(self) -> int:
+        return max(b - a for a, b, _, _ in self.blocks)
+
+    @property
+    def max_k(self) -> int:
+        return max(d - c for _, _, c, d in self.blocks)
+
+    @cached_property
+    def key_index(self) -> torch.Tensor | None:
+        """Key rows of every block back to back (for the varlen kernel), or None when they already are."""
+        if all(c == (self.blocks[i - 1][3] if i else 0) for i, (_, _, c, _) in enumerate(self.blocks)):
+            return None
+        return torch.cat([torch.arange(c, d) for _, _, c, d in self.blocks]).to(self.device)
+
+    def _cumulative(self, sizes: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *accumulate(sizes)], dtype=torch.int32, device=self.device)
+
+
+def flash_varlen_supported(query: torch.Tensor) -> bool:
+    """Whether :func:`packed_causal_attention` can use the FlashAttention-2 varlen kernels for ``query``."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 256
+        and torch.cuda.get_device_capability(query.device) >= (8, 0)
+    )
+
+
+class _FlashVarlenCausal(torch.autograd.Function):
+    """FlashAttention-2 varlen forward/backward through PyTorch's ATen ops (no extra package)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, cu_q, cu_k, max_q: int, max_k: int, scale: float):
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            query, key, value, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, seed, offset)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), query, key, value, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True,
+            seed, offset, scale=ctx.scale,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None
+
+
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention of ``query`` [heads, Lq, d] over ``key``/``value`` [groups, Lk, d] (``Lq <= Lk``), query
+    ``i`` sitting at key position ``Lk - Lq + i``. Query head ``h`` uses key/value group ``h // (heads / groups)``."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if q_len == k_len:
+        return F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[0] != key.shape[0]
+        )
+    # a lower-right causal bias runs in the flash / memory-efficient kernels without materialising a mask; those
+    # kernels take grouped-query attention only through expanded keys and values, and want a batch dimension
+    repeat = query.shape[0] // key.shape[0]
+    q, k, v = (
+        x.unsqueeze(0) for x in (query, key.repeat_interleave(repeat, 0), value.repeat_interleave(repeat, 0))
+    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, k_len), scale=scale)[0]
+
+
+def packed_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: VarlenBlocks, scale: float
+) -> torch.Tensor:
+    """Causal attention of query rows [t, heads, d] over key/value rows [T, groups, d] block by block
+    (:class:`VarlenBlocks`); returns [t, heads, d]."""
+    if flash_varlen_supported(query):
+        index = blocks.key_index
+        if index is not None:
+            key, value = key.index_select(0, index), value.index_select(0, index)
+        return _FlashVarlenCausal.apply(
+            query.contiguous(), key.contiguous(), value.contiguous(),
+            blocks.cu_seqlens_q, blocks.cu_seqlens_k, blocks.max_q, blocks.max_k, scale,
+        )  # fmt: skip
+    q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [heads or groups, rows, d]
+    out = torch.cat(
+        [causal_attention(q[:, a:b], k[:, c:d], v[:, c:d], scale) for a, b, c, d in blocks.blocks], dim=1
+    )
+    return out.transpose(0, 1)
