@@ -18,9 +18,9 @@ def main(args) -> None:
             if run.should_eval(rollout_id):
                 run.evaluate(rollout_id)
             started = time.monotonic()
-            output = ray.get(run.generate(rollout_id))
-            metrics = {**(output.metrics or {}), "time/rollout_s": time.monotonic() - started}
-            metrics |= run.train(rollout_id, output.samples)
+            batch = ray.get(run.generate(rollout_id))
+            metrics = {**batch.metrics, "time/rollout_s": time.monotonic() - started}
+            metrics |= run.train(rollout_id, batch)
             if run.should_save(rollout_id):
                 run.save(rollout_id)
             metrics |= run.sync_weights()

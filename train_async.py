@@ -16,10 +16,10 @@ from vime.utils.arguments import parse_args
 
 
 def main(args) -> None:
-    if args.colocate or args.offload_rollout:
+    if args.colocate or args.offload_rollout or args.offload_train:
         raise SystemExit(
-            "train_async.py overlaps rollout and training on separate resources: drop --colocate and "
-            "--offload-rollout (engines cannot sleep while they generate the next rollout)"
+            "train_async.py overlaps rollout and training on separate resources: drop --colocate, "
+            "--offload-rollout and --offload-train (neither side can give its GPUs up while the other works)"
         )
     run = start_run(args)
     try:
@@ -28,10 +28,10 @@ def main(args) -> None:
             if run.should_eval(rollout_id):
                 run.evaluate(rollout_id)
             step_started = time.monotonic()
-            output = ray.get(next_rollout)
-            metrics = {**(output.metrics or {}), "time/rollout_wait_s": time.monotonic() - step_started}
+            batch = ray.get(next_rollout)
+            metrics = {**batch.metrics, "time/rollout_wait_s": time.monotonic() - step_started}
             next_rollout = run.generate(rollout_id + 1) if rollout_id + 1 < args.num_rollout else None
-            metrics |= run.train(rollout_id, output.samples)
+            metrics |= run.train(rollout_id, batch)
             if run.should_save(rollout_id):
                 run.save(rollout_id)
             if (rollout_id + 1) % args.update_weights_interval == 0:

@@ -3,11 +3,12 @@
 Three ways to generate the same prompts (``--prompts`` groups of ``--n-samples``), with fixed-length responses
 (EOS ignored) and the sampled-token log-probs RL needs, one after the other on the same machine:
 
-(a) offline: ``vllm.LLM.generate`` in this process, all prompts in one call (also without log-probs, for reference);
+(a) offline: ``vllm.LLM.generate`` in this process, all prompts in one call (``--offline-without-logprobs``: also
+    without log-probs, for reference);
 (b) direct: a vLLM server as vime launches it, driven by a bare asyncio client (one ``n``-sample request per
     group, ``--rollout-concurrency`` requests in flight), no router, no vime;
-(c) vime: the same server behind vllm-router, through vime's rollout (``RolloutManager.generate``: groups,
-    per-sample status and log-probs, rewards, the data buffer).
+(c) vime: the same server behind vllm-router, through vime's rollout (``RolloutManager.generate`` with the default
+    rollout, EOS ignored by ``bench/fixed_length.py``: groups, per-sample status and log-probs, rewards, the buffer).
 
 Each side gets one warm-up batch, then ``--repeats`` timed batches; medians are reported. CPU (tiny model):
 
@@ -62,7 +63,7 @@ def vime_args(opts, model_dir: Path, log_dir: Path):
         "--rollout-batch-size", str(opts.prompts), "--n-samples-per-prompt", str(opts.n_samples),
         "--rollout-max-response-len", str(opts.response_len), "--rm-type", "exact", "--num-rollout", "1",
         "--vllm-dtype", flags["dtype"], "--vllm-max-model-len", str(flags["max_model_len"]),
-        "--log-dir", str(log_dir),
+        "--log-dir", str(log_dir), "--rollout-function-path", "bench.fixed_length.generate_rollout",
     ]  # fmt: skip
     if opts.concurrency:
         argv += ["--rollout-concurrency", str(opts.concurrency)]
@@ -71,15 +72,6 @@ def vime_args(opts, model_dir: Path, log_dir: Path):
     if "gpu_memory_utilization" in flags:
         argv += ["--vllm-gpu-memory-utilization", str(flags["gpu_memory_utilization"])]
     return parse_args(argv)
-
-
-def fixed_length(sampling_params_from_args):
-    """Wrap vime's sampling parameters so that every response has exactly ``max_tokens`` tokens."""
-
-    def wrapped(args, evaluation=False):
-        return sampling_params_from_args(args, evaluation) | {"ignore_eos": True}
-
-    return wrapped
 
 
 def bench_offline(opts, model_dir: Path, prompt_ids: list[list[int]], logprobs: int | None) -> list[float]:
@@ -127,11 +119,9 @@ async def drive_directly(url: str, model: str, prompt_ids: list[list[int]], opts
 
 def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> tuple[list[float], list[float]]:
     """(direct, vime) rates against one server: the bare client first, then vime's rollout through the router."""
-    import vime.rollout.vllm_rollout as vllm_rollout
     from vime.rollout.rollout_manager import RolloutManager
     from vime.utils.async_utils import run
 
-    vllm_rollout.sampling_params_from_args = fixed_length(vllm_rollout.sampling_params_from_args)
     manager = RolloutManager(args, log_dir)
     direct, via_vime = [], []
     try:
@@ -169,6 +159,9 @@ def main() -> None:
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (always on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument(
+        "--offline-without-logprobs", action="store_true", help="also time offline without log-probs"
+    )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     gpu = on_gpu()
@@ -188,7 +181,9 @@ def main() -> None:
     prompt_ids = [group[0].tokens for group in source.get_samples(opts.prompts)]
 
     offline = bench_offline(opts, model_dir, prompt_ids, logprobs=0)
-    offline_no_logprobs = bench_offline(opts, model_dir, prompt_ids, logprobs=None)
+    offline_no_logprobs = (
+        bench_offline(opts, model_dir, prompt_ids, logprobs=None) if opts.offline_without_logprobs else []
+    )
     direct, via_vime = bench_served(args, prompt_ids, opts, work / "logs")
     med = {k: statistics.median(v) for k, v in [("offline", offline), ("direct", direct), ("vime", via_vime)]}
     graphs = "eager" if opts.enforce_eager else "cuda-graphs"
@@ -208,7 +203,7 @@ def main() -> None:
                 "log_probs": "sampled token (logprobs=0) on every side",
             },  # fmt: skip
             "offline_tok_per_s": med["offline"],
-            "offline_without_logprobs_tok_per_s": statistics.median(offline_no_logprobs),
+            "offline_without_logprobs_tok_per_s": statistics.median(offline_no_logprobs or [0.0]),
             "direct_http_tok_per_s": med["direct"],
             "vime_tok_per_s": med["vime"],
             "ratio_vime_over_offline": med["vime"] / med["offline"],

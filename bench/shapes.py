@@ -18,6 +18,9 @@ SHAPES: dict[str, dict[str, int]] = {
                  intermediate_size=3072),
     "4b": dict(num_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                intermediate_size=9728),
+    # Qwen3-30B-A3B's layer (scripts/models/qwen3-30B-A3B.sh) with 4 of its 48 layers
+    "30b-a3b-4l": dict(num_layers=4, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                       intermediate_size=6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
 }  # fmt: skip
 
 # dense bf16 tensor-core peak by the vendor's datasheet (H100 SXM and H200 share it), for MFU
@@ -39,6 +42,16 @@ def build_shape(shape: str, dtype: str = "bfloat16", max_position_embeddings: in
     )
     print(f"[bench] built {shape} ({dtype}) in {time.monotonic() - started:.0f} s -> {out}", flush=True)
     return out
+
+
+def trainer_flags(backend: str, model_dir: Path) -> list[str]:
+    """vime flags for a bf16 trainer of ``model_dir`` (Megatron's model flags read from its config.json)."""
+    argv = ["--train-backend", backend, "--hf-checkpoint", str(model_dir), "--bf16"]
+    if backend == "megatron":
+        from vime.backends.megatron_utils.hf_config import flags_from_hf_config, flags_to_argv, load_hf_config
+
+        argv += flags_to_argv(flags_from_hf_config(load_hf_config(model_dir)))
+    return argv
 
 
 def matmul_params(model_dir: Path) -> int:

@@ -23,20 +23,17 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 
 import torch  # noqa: E402
 
-from bench.shapes import PEAK_BF16_FLOPS, build_shape, matmul_params, write_result  # noqa: E402
+from bench.shapes import PEAK_BF16_FLOPS, build_shape, matmul_params, trainer_flags, write_result  # noqa: E402
 
 
 def trainer_argv(opts, model_dir: Path) -> list[str]:
-    argv = [
-        "--train-backend", opts.backend, "--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl",
+    argv = trainer_flags(opts.backend, model_dir) + [
+        "--prompt-data", "unused.jsonl",
         "--rollout-batch-size", str(opts.samples // opts.n_samples), "--n-samples-per-prompt", str(opts.n_samples),
-        "--global-batch-size", str(opts.samples), "--num-rollout", "100", "--bf16", "--lr", "1e-6",
+        "--global-batch-size", str(opts.samples), "--num-rollout", "100", "--lr", "1e-6",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu),
     ]  # fmt: skip
     if opts.backend == "megatron":
-        from vime.backends.megatron_utils.hf_config import flags_from_hf_config, flags_to_argv, load_hf_config
-
-        argv += flags_to_argv(flags_from_hf_config(load_hf_config(model_dir)))
         if opts.recompute == "full":
             argv += [
                 "--recompute-granularity",

@@ -2,9 +2,11 @@
 
 - ``split``: a real vLLM engine on one GPU, the trainer on the other, NCCL weight sync (``distributed``);
 - ``colocate``: two trainer ranks and two engines sharing both GPUs, engines asleep while the trainer trains,
-  CUDA IPC weight sync (``tensor``).
+  CUDA IPC weight sync (``tensor``);
+- ``offload``: one GPU shared by the trainer and the engine, the trainer's state off the GPU while the engine
+  generates (``--offload-train``).
 
-Needs 2 GPUs and the GPU kit (vllm, ray, vllm-router, megatron-core); see tests/gpu/README.md."""
+Needs the GPU kit (vllm, ray, vllm-router, megatron-core; see tests/gpu/README.md), and 2 GPUs except ``offload``."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 30
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(
         any(importlib.util.find_spec(m) is None for m in ("vllm", "ray", "vllm_router")),
         reason="needs vllm, ray and vllm-router (the GPU kit)",
@@ -37,9 +40,11 @@ def _log_tails(tmp_path: Path) -> str:
     )
 
 
-@pytest.mark.parametrize("layout", ["split", "colocate"])
+@pytest.mark.parametrize(
+    "layout", [pytest.param("split", marks=TWO_GPUS), pytest.param("colocate", marks=TWO_GPUS), "offload"]
+)
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_grpo_loop_on_two_gpus_learns_with_matching_log_probs(backend, layout, tmp_path):
+def test_grpo_loop_learns_with_matching_log_probs(backend, layout, tmp_path):
     if backend == "megatron" and importlib.util.find_spec("megatron.core") is None:
         pytest.skip("needs megatron-core")
     from vime.tools.make_tiny_model import build_tiny_model
@@ -56,6 +61,9 @@ def test_grpo_loop_on_two_gpus_learns_with_matching_log_probs(backend, layout, t
     ]  # fmt: skip
     if layout == "colocate":  # both GPUs hold a trainer rank and an engine; default transport: tensor
         argv += ["--colocate", "--actor-num-gpus-per-node", "2"]
+    elif layout == "offload":  # one GPU; the engine may take most of it while the trainer is offloaded
+        argv += ["--colocate", "--offload-train"]
+        argv[argv.index("--vllm-gpu-memory-utilization") + 1] = "0.8"
     else:
         argv += ["--update-weight-transport", "distributed"]
     if backend == "megatron":
@@ -78,8 +86,16 @@ def test_grpo_loop_on_two_gpus_learns_with_matching_log_probs(backend, layout, t
           f"last5 {sum(rewards[-5:]) / 5:.3f} | step time {train[-1].get('time/train_s', 0):.2f}s train, "
           f"{train[-1].get('time/sync_s', 0):.2f}s sync, {train[-1].get('time/rollout_s', 0):.2f}s rollout")  # fmt: skip
     assert max(diffs) < 1e-3, diffs
-    if layout == "colocate":  # every engine slept once per training step (vLLM logs each sleep)
+    if layout != "split":  # every engine slept once per training step (vLLM logs each sleep); with
+        # --offload-train also once at the start, while the trainer came back to load its checkpoint
+        sleeps = NUM_ROLLOUT + (layout == "offload")
         for log in (tmp_path / "logs").glob("engine_*.log"):
-            assert log.read_text(errors="replace").count("Sleep mode freed") == NUM_ROLLOUT, log.name
+            assert log.read_text(errors="replace").count("Sleep mode freed") == sleeps, log.name
     assert all(r["weight_sync/bytes"] > 0 for r in train)
+    if (
+        layout == "offload"
+    ):  # the trainer gave its GPU memory back at every step (and before the engine started)
+        assert all(r["offload/freed_gib"] > 0 and r["time/onload_s"] > 0 for r in train), train[-1]
+        print(f"[{backend} offload] freed {train[-1]['offload/freed_gib']:.2f} GiB per step; offload "
+              f"{train[-1]['time/offload_s']:.2f} s, onload {train[-1]['time/onload_s']:.2f} s")  # fmt: skip
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards

@@ -188,7 +188,6 @@ def _error_of(argv: list[str], capsys) -> str:
         ),
         (["--vllm-router-ip", "10.0.0.1"], "--vllm-router-ip and --vllm-router-port go together"),
         (["--update-weight-transport", "tensor"], "needs --colocate"),
-        (["--offload"], "--offload-train (or --offload) is not implemented yet"),
         (
             ["--sequence-parallel"],
             "--sequence-parallel: the fsdp backend shards over data-parallel ranks only",
@@ -239,6 +238,12 @@ def test_derived_defaults():
     assert args.update_weight_transport == "distributed"
     assert args.critic_num_gpus_per_node == args.actor_num_gpus_per_node
     assert args.eval_temperature == args.rollout_temperature
+
+
+def test_offload_sets_both_and_nccl_is_slimes_name_for_distributed():
+    args = parse_args(BASE + ["--offload", "--update-weight-transport", "nccl"])
+    assert args.offload_train and args.offload_rollout
+    assert args.update_weight_transport == "distributed"
 
 
 def test_colocate_defaults_to_sleeping_engines_and_the_tensor_transport():

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from vime.utils.loss import make_reducer, policy_loss
 from vime.utils.misc import load_function
+from vime.utils.offload import GPUOffloader
 from vime.utils.ppo_utils import apply_opd_kl
 from vime.utils.train_data import (
     PackedBatch,
@@ -107,6 +108,24 @@ class TrainerBase:
             self.advantage_fn = load_function(
                 args.custom_advantage_function_path, "--custom-advantage-function-path"
             )
+
+    def offload(self) -> dict[str, float]:
+        """``--offload-train``: free the GPU memory of the weights (policy, reference, teacher), gradients and
+        optimizer state while the engines generate; :meth:`onload` brings them back. Returns the GiB freed and the
+        time taken."""
+        if not hasattr(self, "_offloader"):
+            self._offloader = GPUOffloader()
+        return self._offloader.offload(*self._gpu_state())
+
+    def onload(self) -> dict[str, float]:
+        """Bring back what :meth:`offload` freed (a no-op when nothing is offloaded)."""
+        if not getattr(self, "_offloader", None) or not self._offloader.offloaded:
+            return {}
+        return self._offloader.onload()
+
+    def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(tensors to keep, tensors whose contents can be dropped) that make up the training state on the GPU."""
+        raise NotImplementedError
 
     def compute_log_probs(self, samples: list[Sample], model: str = "actor") -> PerSample:
         raise NotImplementedError

@@ -8,10 +8,20 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.ray.placement_group import Bundles
+from vime.ray.rollout_batch import RolloutBatch, make_batch
 from vime.rollout.rollout_manager import RolloutManager
 
+
+class RayRolloutManager(RolloutManager):
+    """The rollout manager in its Ray actor: rollouts leave it by reference (:mod:`vime.ray.rollout_batch`)."""
+
+    def generate_batch(self, rollout_id: int, dp_sizes: tuple[int, ...]) -> RolloutBatch:
+        """Rollout ``rollout_id``, split for training groups of the given data-parallel sizes."""
+        return make_batch(self.args, self.generate(rollout_id), dp_sizes)
+
+
 # Engines run as subprocesses of this actor, on its node, each pinned to its bundles' GPUs.
-RolloutManagerActor = ray.remote(num_cpus=0)(RolloutManager)
+RolloutManagerActor = ray.remote(num_cpus=0)(RayRolloutManager)
 
 
 @ray.remote(num_cpus=0, num_gpus=1)

@@ -12,10 +12,10 @@ from pathlib import Path
 import ray
 
 from vime.ray.placement_group import create_placement_groups, num_bundles
+from vime.ray.rollout_batch import RolloutBatch
 from vime.ray.rollout_manager import bundle_gpus, create_rollout_manager
 from vime.ray.train_group import RayTrainGroup
 from vime.utils.tracking import Tracker
-from vime.utils.types import Sample
 
 WORKER_EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
 
@@ -57,34 +57,56 @@ class Run:
     def has_engines(self) -> bool:
         return not self.args.debug_train_only
 
-    def generate(self, rollout_id: int):
-        """Submit rollout ``rollout_id`` to the manager; returns its future (``RolloutFnTrainOutput``)."""
-        return self.manager.generate.remote(rollout_id)
+    def generate(self, rollout_id: int) -> ray.ObjectRef:
+        """Submit rollout ``rollout_id`` to the manager; returns its future (a :class:`RolloutBatch`: metrics and
+        references to every training rank's share, which never pass through this process)."""
+        dp_sizes = tuple(group.dp_size for group in (self.actor, self.critic) if group is not None)
+        return self.manager.generate_batch.remote(rollout_id, dp_sizes)
 
-    def train(self, rollout_id: int, groups: list[list[Sample]]) -> dict[str, float]:
+    def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """Train the critic (ppo) and, after ``--num-critic-only-steps``, the actor on one rollout."""
         if self.actor is None:
             return {}
         started = time.monotonic()
         if self.args.offload_rollout and self.has_engines:  # colocated: the engines give the GPUs back
             ray.get(self.manager.sleep.remote())
-        metrics: dict[str, float] = {}
-        per_sample = {}
-        critic_futures = []
+        metrics: dict[str, float] = self.onload_trainers()
+        actor_inputs, critic_futures = {}, []
         if self.critic is not None:
-            per_sample["values"] = self.critic.compute("values", groups)
+            values = self.critic.compute("values", batch)
+            actor_inputs["values"] = self.actor.for_me(values, batch, self.critic.dp_size)
+            critic_inputs = {"values": values}
             if self.args.kl_coef:  # the critic's returns include the KL penalty, from the actor's log-probs
-                per_sample["log_probs"] = self.actor.compute("log_probs", groups)
-                per_sample["ref_log_probs"] = self.actor.compute("ref_log_probs", groups)
-            critic_futures = self.critic.train_async(rollout_id, groups, **per_sample)
+                for kind in ("log_probs", "ref_log_probs"):
+                    computed = self.actor.compute(kind, batch)
+                    actor_inputs[kind] = computed
+                    critic_inputs[kind] = self.critic.for_me(computed, batch, self.actor.dp_size)
+            critic_futures = self.critic.train_async(rollout_id, batch, **critic_inputs)
         if rollout_id >= self.args.num_critic_only_steps:
             metrics |= {
-                f"train/{k}": v for k, v in self.actor.train(rollout_id, groups, **per_sample).items()
+                f"train/{k}": v for k, v in self.actor.train(rollout_id, batch, **actor_inputs).items()
             }
         if critic_futures:
             metrics |= {f"critic/{k}": v for k, v in ray.get(critic_futures)[0].items()}
         metrics["time/train_s"] = time.monotonic() - started
         return metrics
+
+    def onload_trainers(self) -> dict[str, float]:
+        """``--offload-train``: bring the actor's (and critic's) training state back to the GPUs."""
+        if not self.args.offload_train:
+            return {}
+        metrics = self.actor.onload() if self.actor is not None else {}
+        if self.critic is not None:
+            self.critic.onload()
+        return metrics
+
+    def offload_trainers(self) -> dict[str, float]:
+        """``--offload-train``: free the actor's (and critic's) GPU memory for the engines; the actor's figures."""
+        if not self.args.offload_train:
+            return {}
+        if self.critic is not None:
+            self.critic.offload()
+        return self.actor.offload() if self.actor is not None else {}
 
     def save(self, rollout_id: int) -> None:
         """Checkpoint the actor, the critic (``--critic-save``) and the data buffer at ``rollout_id``."""
@@ -119,6 +141,7 @@ class Run:
         sync_dir = self.args.update_weight_dir or str(self.log_dir / "weight_sync")  # the disk transport's
         ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
         metrics = self.actor.sync_weights(engine_urls, self.weight_version, sync_dir)
+        metrics |= self.offload_trainers()  # after the sync: it reads the actor's weights
         ray.get(self.manager.wake_up.remote(["kv_cache"]))
         ray.get(self.manager.set_weight_version.remote(self.weight_version))
         return {**metrics, "time/sync_s": time.monotonic() - started}
@@ -145,10 +168,22 @@ def start_run(args: argparse.Namespace) -> Run:
             actor = RayTrainGroup(args, pgs["actor"])
             if pgs["critic"].indices:
                 critic = RayTrainGroup(args, pgs["critic"], role="critic")
+        if args.offload_train:
+            if pgs["actor"].resource != "GPU":
+                raise ValueError("--offload-train moves training state off GPUs: this run's trainer has none")
+            for group in (actor, critic):
+                if group is not None:
+                    group.offload()  # the engines find the GPU memory free when they start
         gpus = None
         if pgs["rollout"].resource == "GPU" and not args.debug_train_only:
             gpus = actor.gpus()[: args.rollout_num_gpus] if args.colocate else bundle_gpus(pgs["rollout"])
         manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION, gpus)
+        if args.offload_train:
+            if args.offload_rollout and not args.debug_train_only:
+                ray.get(manager.sleep.remote())  # the first weight sync wakes them
+            for group in (actor, critic):
+                if group is not None:
+                    group.onload()
         last = actor.load() if actor else None
         if critic is not None:
             critic.load()

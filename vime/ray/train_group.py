@@ -9,9 +9,8 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.ray.placement_group import Bundles
+from vime.ray.rollout_batch import RolloutBatch, TrainPartition, regroup
 from vime.utils.misc import free_port
-from vime.utils.train_data import shape_rewards, split_rollout
-from vime.utils.types import Sample
 
 PerSample = list[torch.Tensor]  # one per-token tensor per sample
 
@@ -47,21 +46,25 @@ class TrainRayActor:
     def load(self) -> int | None:
         return self.trainer.load()
 
-    def train(
-        self, rollout_id: int, samples: list[Sample], rewards: list[float], **per_sample: PerSample
-    ) -> dict[str, float]:
-        return self.trainer.train(rollout_id, samples, rewards, **per_sample)
+    def train(self, rollout_id: int, partition: TrainPartition, **per_sample: PerSample) -> dict[str, float]:
+        return self.trainer.train(rollout_id, partition.samples, partition.rewards, **per_sample)
 
-    def compute(self, kind: str, samples: list[Sample]) -> PerSample:
+    def compute(self, kind: str, partition: TrainPartition) -> PerSample:
         """Forward-only per-token outputs: ``log_probs``, ``ref_log_probs`` (actor) or ``values`` (critic)."""
         if kind == "values":
-            return self.trainer.compute_values(samples)
+            return self.trainer.compute_values(partition.samples)
         return self.trainer.compute_log_probs(
-            samples, model={"log_probs": "actor", "ref_log_probs": "ref"}[kind]
+            partition.samples, model={"log_probs": "actor", "ref_log_probs": "ref"}[kind]
         )
 
     def save(self, rollout_id: int, save_dir: str) -> None:
         self.trainer.save(rollout_id, save_dir)
+
+    def offload(self) -> dict[str, float]:
+        return self.trainer.offload()
+
+    def onload(self) -> dict[str, float]:
+        return self.trainer.onload()
 
     def export_hf(self, out_dir: str) -> None:
         self.trainer.export_hf(out_dir)
@@ -101,55 +104,53 @@ class RayTrainGroup:
         """Load every rank; returns the last saved rollout id (None for a fresh start)."""
         return ray.get([actor.load.remote() for actor in self.actors])[0]
 
-    def _partition(self, groups: list[list[Sample]]) -> tuple[list[Sample], list[list[int]]]:
-        """All samples, and the sample indices of each *rank* (its data-parallel rank's share)."""
-        samples = [s for group in groups for s in group]
-        shares = split_rollout([len(s.tokens) for s in samples], self.dp_size, self.args.global_batch_size)
-        return samples, [shares[dp_rank] for dp_rank in self.dp_ranks]
+    def compute(self, kind: str, batch: RolloutBatch) -> list[ray.ObjectRef]:
+        """Per-sample forward outputs (see ``TrainRayActor.compute``) of every data-parallel rank's share of
+        ``batch``, as one object reference per data-parallel rank (its tensor/pipeline peers compute the same)."""
+        parts = batch.partitions[self.dp_size]
+        futures = [
+            actor.compute.remote(kind, parts[dp])
+            for actor, dp in zip(self.actors, self.dp_ranks, strict=True)
+        ]
+        return [futures[self.dp_ranks.index(dp)] for dp in range(self.dp_size)]
 
-    def compute(self, kind: str, groups: list[list[Sample]]) -> PerSample:
-        """Per-sample forward outputs (see ``TrainRayActor.compute``) for the whole rollout, in sample order
-        (data-parallel peers return the same outputs for the same samples)."""
-        samples, parts = self._partition(groups)
-        results = ray.get(
-            [
-                actor.compute.remote(kind, [samples[i] for i in part])
-                for actor, part in zip(self.actors, parts, strict=True)
-            ]
-        )
-        ordered: list = [None] * len(samples)
-        for part, outputs in zip(parts, results, strict=True):
-            for i, output in zip(part, outputs, strict=True):
-                ordered[i] = output
-        return ordered
+    def for_me(self, refs: list[ray.ObjectRef], batch: RolloutBatch, dp_size: int) -> list[ray.ObjectRef]:
+        """Per-sample results that another group computed (one reference per rank of its ``dp_size``), re-cut for
+        this group's data-parallel ranks."""
+        return regroup(refs, batch.indices[dp_size], batch.indices[self.dp_size])
 
     def train_async(
-        self, rollout_id: int, groups: list[list[Sample]], **per_sample: PerSample
+        self, rollout_id: int, batch: RolloutBatch, **per_sample: list[ray.ObjectRef]
     ) -> list[ray.ObjectRef]:
-        """Start training on one rollout: shape rewards over all of it, split it (and any per-sample inputs such
-        as the critic's ``values``, in sample order) over the ranks. Returns one metrics future per rank."""
-        samples, parts = self._partition(groups)
-        rewards = shape_rewards(self.args, groups)
+        """Start training on one rollout: every rank gets its data-parallel rank's share of ``batch`` and of each
+        per-sample input (e.g. the critic's ``values``, one reference per data-parallel rank), by reference.
+        Returns one metrics future per rank."""
+        parts = batch.partitions[self.dp_size]
         return [
-            actor.train.remote(
-                rollout_id,
-                [samples[i] for i in part],
-                [rewards[i] for i in part],
-                **{key: [values[i] for i in part] for key, values in per_sample.items()},
-            )
-            for actor, part in zip(self.actors, parts, strict=True)
+            actor.train.remote(rollout_id, parts[dp], **{key: refs[dp] for key, refs in per_sample.items()})
+            for actor, dp in zip(self.actors, self.dp_ranks, strict=True)
         ]
 
-    def train(self, rollout_id: int, groups: list[list[Sample]], **per_sample: PerSample) -> dict[str, float]:
+    def train(
+        self, rollout_id: int, batch: RolloutBatch, **per_sample: list[ray.ObjectRef]
+    ) -> dict[str, float]:
         """:meth:`train_async` and wait; the last rank's metrics (global values; with pipeline parallelism only the
         last stage has the loss)."""
-        return ray.get(self.train_async(rollout_id, groups, **per_sample))[-1]
+        return ray.get(self.train_async(rollout_id, batch, **per_sample))[-1]
 
     def save(self, rollout_id: int, save_dir: str) -> None:
         ray.get([actor.save.remote(rollout_id, save_dir) for actor in self.actors])
 
     def export_hf(self, out_dir: str) -> None:
         ray.get([actor.export_hf.remote(out_dir) for actor in self.actors])
+
+    def offload(self) -> dict[str, float]:
+        """Free every rank's training state on the GPU (``--offload-train``); rank 0's figures."""
+        return ray.get([actor.offload.remote() for actor in self.actors])[0]
+
+    def onload(self) -> dict[str, float]:
+        """Bring the training state back to the GPUs; rank 0's figures."""
+        return ray.get([actor.onload.remote() for actor in self.actors])[0]
 
     def sync_weights(self, engine_urls: list[str], version: int, disk_dir: str | None) -> dict[str, float]:
         futures = [actor.sync_weights.remote(engine_urls, version, disk_dir) for actor in self.actors]

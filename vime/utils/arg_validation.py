@@ -11,11 +11,6 @@ def finalize_args(args: argparse.Namespace) -> None:
     """Fill derived defaults and reject inconsistent settings (ValueError naming the flag and the fix)."""
     if args.offload:
         args.offload_train = args.offload_rollout = True
-    if args.offload_train:
-        raise ValueError(
-            "--offload-train (or --offload) is not implemented yet: the trainer keeps its state on the GPU. With "
-            "--colocate, leave it room through --vllm-gpu-memory-utilization (the engines sleep while it trains)"
-        )
     args.offload_rollout = args.offload_rollout or args.colocate  # colocated engines sleep while training
     args.critic_num_nodes = args.critic_num_nodes or args.actor_num_nodes
     args.critic_num_gpus_per_node = args.critic_num_gpus_per_node or args.actor_num_gpus_per_node

@@ -30,9 +30,8 @@ from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimiz
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
 from vime.utils.loss import policy_loss, value_loss
-from vime.utils.train_data import (
-    pack_samples,
-)
+from vime.utils.offload import optimizer_tensors
+from vime.utils.train_data import pack_samples
 from vime.utils.types import Sample
 
 
@@ -116,6 +115,11 @@ class FSDPTrainer(TrainerBase):
     def export_hf(self, out_dir: str) -> None:
         """Save an HF directory (weights in the training dtype, config, tokenizer of ``--hf-checkpoint``)."""
         checkpoint.export_hf(self.model, out_dir, self.args.hf_checkpoint, compute_dtype(self.args))
+
+    def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        models = [m for m in (self.model, self.ref_model, self.teacher_model) if m is not None]
+        params = [p for m in models for p in m.parameters()]
+        return params + optimizer_tensors(self.optimizer), [p.grad for p in params]
 
     def iter_weight_buckets(self, buffer_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full weights in buckets of at most ``buffer_bytes`` (collective; see weights.py)."""

@@ -46,6 +46,7 @@ from vime.backends.megatron_utils.packed_layout import PackedLayout
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import init_distributed
 from vime.utils.loss import policy_loss, value_loss
+from vime.utils.offload import optimizer_tensors
 from vime.utils.train_data import PackedBatch, pack_samples
 from vime.utils.types import Sample
 
@@ -223,6 +224,13 @@ class MegatronTrainer(TrainerBase):
     def export_hf(self, out_dir: str) -> None:
         """Save an HF directory (safetensors in the training dtype, config and tokenizer of ``--hf-checkpoint``)."""
         checkpoint.export_hf(self.module, out_dir, self.args.hf_checkpoint, self.hf_vocab_size, self.dtype)
+
+    def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        modules = [m for m in (self.module, self.ref_model, self.teacher_model) if m is not None]
+        params = [p for m in modules for p in m.parameters()]
+        grad_buffers = [b.grad_data for b in (*self.model.buffers, *self.model.expert_parallel_buffers)]
+        main_grads = [getattr(p, "main_grad", None) for p in params]
+        return params + optimizer_tensors(self.optimizer), grad_buffers + main_grads
 
     def iter_weight_buckets(self, buffer_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full weights (gathered over TP/PP/EP) in buckets of at most ``buffer_bytes``; collective."""
