@@ -33,6 +33,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may have touched CUDA
 
 
 def on_gpu() -> bool:
