@@ -182,6 +182,19 @@ def test_control_routes_on_the_engine(served, tmp_path):
 
     asyncio.run(main())
 
+    # without the run's secret the control routes refuse, also when reached through the router's fallback
+    for url in (engine.url, served.router.url):
+        refused = requests.post(f"{url}/pause", params={"mode": "abort"}, timeout=30)
+        assert refused.status_code == 403, (url, refused.status_code, refused.text)
+    rpc = requests.post(f"{engine.url}/collective_rpc", json={"method": "reload_weights"}, timeout=30)
+    assert rpc.status_code == 403
+    assert asyncio.run(_is_paused(engine.url)) is False
+
+
+async def _is_paused(url: str) -> bool:
+    async with EngineControlClient(url) as client:
+        return await client.is_paused()
+
 
 @pytest.mark.timeout(120)
 def test_pause_keep_freezes_in_flight_requests_until_resume(served):

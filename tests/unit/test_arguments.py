@@ -266,3 +266,26 @@ def test_help_vllm_lists_passthrough_flags(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--vllm-max-model-len" in out and "--vllm-enforce-eager, --vllm-no-enforce-eager" in out
+
+
+def test_run_paths_are_checked_when_a_run_starts(tmp_path):
+    from vime.utils.arg_validation import check_run_paths
+
+    args = parse_args(BASE)
+    args.hf_checkpoint = "/nonexistent"
+    with pytest.raises(ValueError, match="--hf-checkpoint /nonexistent: no such directory"):
+        check_run_paths(args)
+    args.hf_checkpoint = str(tmp_path)
+    with pytest.raises(ValueError, match="no config.json there"):
+        check_run_paths(args)
+    (tmp_path / "config.json").write_text("{}")
+    args.hf_checkpoint = "Qwen/Qwen3-4B"  # a hub id is left to Hugging Face
+    check_run_paths(args)
+    args.hf_checkpoint = str(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    args.save = str(tmp_path / "a-file" / "ckpt")  # unwritable even for root
+    with pytest.raises(ValueError, match="--save .*a-file/ckpt: cannot write there"):
+        check_run_paths(args)
+    args.save = str(tmp_path / "ckpt")
+    check_run_paths(args)
+    assert (tmp_path / "ckpt").is_dir()

@@ -46,6 +46,7 @@ def test_engine_command_has_vime_flags_then_extra_then_passthrough_in_order():
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", "/models/tiny", "--host", "127.0.0.1", "--port", "8123", "--seed", "7",
         "--tensor-parallel-size", "1", "--logprobs-mode", "processed_logprobs",
+        "--middleware", "vime.backends.vllm_utils.control_auth.require_control_secret",
         "--worker-extension-cls", "x.Y",
         "--max-model-len", "256", "--enforce-eager", "--dtype", "float32",
     ]  # fmt: skip
@@ -55,7 +56,7 @@ def test_engine_command_model_path_overrides_hf_checkpoint():
     cmd = build_engine_command(_args(), "10.0.0.5", 9000, model_path="/ckpt/iter_3")
     assert cmd[cmd.index("--model") + 1] == "/ckpt/iter_3"
     assert cmd[cmd.index("--host") + 1] == "10.0.0.5"
-    assert cmd[-2:] == ["--logprobs-mode", "processed_logprobs"]  # no pass-through flags given
+    assert cmd[-2:] == ["--middleware", "vime.backends.vllm_utils.control_auth.require_control_secret"]
 
 
 @pytest.mark.parametrize(
@@ -77,6 +78,7 @@ def test_engine_env_sizes_the_cpu_kv_cache_only_when_the_user_did_not(
     base = {"PATH": "/bin", **base_env}
     env = build_engine_env(_args(*flags), base_env=base)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
+    assert len(env["VIME_CONTROL_SECRET"]) == 32  # the run's control-route secret
     assert env["PATH"] == "/bin"
     assert env.get("VLLM_CPU_KVCACHE_SPACE") == expected_kv_space
     assert "VLLM_SERVER_DEV_MODE" not in base  # the caller's mapping is not modified

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import ray
 
+from vime.backends.vllm_utils import control_auth
 from vime.ray.placement_group import create_placement_groups, num_bundles
 from vime.ray.rollout_batch import RolloutBatch
 from vime.ray.rollout_manager import bundle_gpus, create_rollout_manager
 from vime.ray.train_group import RayTrainGroup
+from vime.utils.arg_validation import check_run_paths
 from vime.utils.tracking import Tracker
 
 WORKER_EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
@@ -34,10 +36,18 @@ def init_ray(args: argparse.Namespace) -> None:
 
     ``ray start`` (Ray 2.60) turns on token authentication; a driver given an explicit address sends the token
     only with ``RAY_AUTH_MODE=token`` in its environment (Ray reads it at import, so it cannot be set here)."""
+    runtime_env = {
+        "env_vars": {control_auth.SECRET_ENV: control_auth.run_secret()}
+    }  # engines' control secret
     if address := os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
     else:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_bundles(args)), log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, num_bundles(args)),
+            log_to_driver=False,
+            runtime_env=runtime_env,
+        )
 
 
 @dataclass
@@ -159,6 +169,7 @@ class Run:
 
 def start_run(args: argparse.Namespace) -> Run:
     """Start Ray, the engines + router, the training groups; resume from ``--load``; push the first weights."""
+    check_run_paths(args)
     init_ray(args)
     log_dir = run_dir(args)
     pgs = create_placement_groups(args)

@@ -215,3 +215,35 @@ def _check_backend(args: argparse.Namespace) -> None:
                 "--train-backend megatron needs CUDA GPUs and none is visible; use --train-backend fsdp "
                 "(torch-native, runs on CPU and GPU)"
             )
+
+
+def check_run_paths(args: argparse.Namespace) -> None:
+    """Checks on the file system, when a run starts (not at parse time: a parsed config may be meant for another
+    machine): ``--hf-checkpoint`` given as a path is a model directory, and ``--save`` can be written."""
+    checkpoint = str(args.hf_checkpoint)
+    if checkpoint.startswith(("/", "./", "../", "~")) or os.path.exists(checkpoint):
+        path = os.path.expanduser(checkpoint)
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"--hf-checkpoint {checkpoint}: no such directory (a Hugging Face model directory)"
+            )
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ValueError(
+                f"--hf-checkpoint {checkpoint}: no config.json there; it must be a Hugging Face model directory "
+                "(config, tokenizer and weights, as save_pretrained writes them)"
+            )
+    for flag in ("save", "critic_save"):
+        target = getattr(args, flag, None)
+        if not target:
+            continue
+        try:
+            os.makedirs(target, exist_ok=True)
+            probe = os.path.join(target, f".vime-write-check-{os.getpid()}")
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as exc:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {target}: cannot write there ({exc.strerror}); checkpoints would fail "
+                "at the first save. Pick a writable directory"
+            ) from None

