@@ -189,8 +189,12 @@ def test_exact():
 
 
 def test_unknown_rm_type_lists_valid_names():
-    with pytest.raises(ValueError, match="unknown --rm-type 'nope'.*math, gsm8k, f1, exact, remote_rm"):
+    with pytest.raises(ValueError, match="unknown --rm-type 'nope'.*math, gsm8k, f1, exact, deepscaler"):
         _rm("nope", "x", "x")
+    with pytest.raises(ValueError, match="unknown --rm-type 'boxed_remote_rm'"):
+        _rm("boxed_remote_rm", "x", "x")
+    with pytest.raises(ValueError, match="ifbench: slime clones allenai/IFBench"):
+        _rm("ifbench", "x", "x")
 
 
 # ---------------------------------------------------------------- remote_rm
@@ -390,15 +394,15 @@ def test_reward_samples_bad_custom_path_names_module_and_attribute():
 
 def test_reward_samples_unknown_rm_type_is_a_config_error():
     samples = [Sample(response="x", label="x")]
-    with pytest.raises(
-        ValueError, match="unknown --rm-type 'nope'; valid: math, gsm8k, f1, exact, remote_rm"
-    ):
+    with pytest.raises(ValueError, match="unknown --rm-type 'nope'; valid: math, gsm8k, f1, exact"):
         asyncio.run(reward_samples(_args(rm_type="nope"), samples))
     assert samples[0].status == Status.PENDING
 
 
 def test_rm_types_constant():
-    assert rm_hub.RM_TYPES == ("math", "gsm8k", "f1", "exact", "remote_rm")
+    assert rm_hub.RM_TYPES == (
+        "math", "gsm8k", "f1", "exact", "deepscaler", "dapo", "gpqa", "random", "remote_rm"
+    )  # fmt: skip
 
 
 def test_math_works_off_the_main_thread():

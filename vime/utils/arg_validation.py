@@ -161,6 +161,10 @@ def _check_data(args: argparse.Namespace) -> None:
         load_eval_configs,  # validates --eval-prompt-data / --eval-config early
     )
 
+    if args.rm_type is not None and not args.custom_rm_path:
+        from vime.rollout.rm_hub import check_rm_type
+
+        check_rm_type(args.rm_type)
     if not load_eval_configs(args) and args.eval_interval:
         raise ValueError(f"--eval-interval {args.eval_interval} needs --eval-prompt-data or --eval-config")
     if args.debug_train_only and not args.load_debug_rollout_data:

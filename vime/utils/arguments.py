@@ -173,7 +173,14 @@ ROLLOUT = [
 ]
 
 REWARD = [
-    ("--rm-type", dict(default=None, help="Built-in reward: math, gsm8k, f1, exact, remote_rm.")),
+    (
+        "--rm-type",
+        dict(
+            default=None,
+            help="Built-in reward (slime's names): math, gsm8k, f1, exact, deepscaler, dapo (dict: --reward-key "
+            "score), gpqa, random, remote_rm; boxed_<type> scores the last \\boxed{} only.",
+        ),
+    ),
     (
         "--custom-rm-path",
         dict(default=None, help="async rm(args, sample) -> float | dict (list with --group-rm)."),

@@ -1,8 +1,11 @@
 """Reward functions: the built-ins picked by ``--rm-type`` and :func:`reward_samples`, which the rollout calls.
 
-Built-ins (``--rm-type``): ``math``, ``gsm8k``, ``f1``, ``exact``, ``remote_rm``. A user reward function given
-by ``--custom-rm-path`` has the signature ``async rm(args, sample, **kwargs) -> float | dict``, or with
-``--group-rm`` ``async rm(args, samples) -> list[float | dict]`` (DESIGN.md §3).
+Built-ins (``--rm-type``, slime's names and meanings): ``math``, ``gsm8k``, ``f1``, ``exact``, ``deepscaler``,
+``dapo`` (a dict reward: train on ``--reward-key score``), ``gpqa``, ``random``, ``remote_rm``, and ``boxed_<type>``
+(score only the last ``\\boxed{...}`` of the response with ``exact``, ``f1``, ``gsm8k`` or ``gpqa``). A sample's ``metadata["rm_type"]``
+overrides ``--rm-type`` for that sample (multi-task data). A user reward function given by ``--custom-rm-path``
+has the signature ``async rm(args, sample, **kwargs) -> float | dict``, or with ``--group-rm``
+``async rm(args, samples) -> list[float | dict]`` (DESIGN.md §3).
 """
 
 from __future__ import annotations
@@ -10,13 +13,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from vime.rollout.rm_hub.dapo import compute_dapo_reward
+from vime.rollout.rm_hub.deepscaler import compute_deepscaler_reward
 from vime.rollout.rm_hub.exact import compute_exact_reward
 from vime.rollout.rm_hub.f1 import compute_f1_reward
+from vime.rollout.rm_hub.gpqa import compute_gpqa_reward
 from vime.rollout.rm_hub.gsm8k import compute_gsm8k_reward
-from vime.rollout.rm_hub.math_utils import compute_math_reward
+from vime.rollout.rm_hub.math_utils import compute_math_reward, extract_boxed
 from vime.rollout.rm_hub.remote import remote_rm
 from vime.utils.misc import load_function
 from vime.utils.types import Sample, Status
@@ -25,22 +32,52 @@ __all__ = ["RM_TYPES", "async_rm", "batched_async_rm", "reward_samples"]
 
 logger = logging.getLogger(__name__)
 
-# Rule-based rewards: (response, label) -> float, cheap enough to run on the event loop.
-_RULE_BASED: dict[str, Callable[[str, Any], float]] = {
-    "math": compute_math_reward,
-    "gsm8k": compute_gsm8k_reward,
-    "f1": compute_f1_reward,
-    "exact": compute_exact_reward,
+# Rule-based rewards: (response, label, metadata) -> float | dict, cheap enough to run on the event loop.
+_RULE_BASED: dict[str, Callable[[str, Any, dict], float | dict]] = {
+    "math": lambda response, label, _: compute_math_reward(response, label),
+    "gsm8k": lambda response, label, _: compute_gsm8k_reward(response, label),
+    "f1": lambda response, label, _: compute_f1_reward(response, label),
+    "exact": lambda response, label, _: compute_exact_reward(response, label),
+    "deepscaler": lambda response, label, _: compute_deepscaler_reward(response, label),
+    "dapo": lambda response, label, _: compute_dapo_reward(response, label),
+    "gpqa": compute_gpqa_reward,
+    "random": lambda *_: float(random.randint(0, 1)),
 }
 RM_TYPES = (*_RULE_BASED, "remote_rm")
+# boxed_<type>: the last \boxed{} stands for the whole response; math, deepscaler and dapo pick their answers out
+# themselves (slime's boxed_math scores 0 whatever the answer)
+BOXABLE = ("exact", "f1", "gsm8k", "gpqa")
+# slime's names that vime cannot provide, and why
+_REFUSED = {
+    "ifbench": "slime clones allenai/IFBench's instruction checkers from GitHub at run time, and they are no pip "
+    "package; vime fetches no code. Wrap them in your own reward with --custom-rm-path",
+}
+
+
+def check_rm_type(rm_type: str | None) -> str:
+    """``rm_type`` if it names a built-in reward (``boxed_<type>`` included), else ``ValueError`` saying why."""
+    base = rm_type.removeprefix("boxed_") if rm_type else rm_type
+    if base in _REFUSED:
+        raise ValueError(f"--rm-type {rm_type}: {_REFUSED[base]}")
+    if base not in RM_TYPES or (base != rm_type and base not in BOXABLE):
+        raise ValueError(
+            f"unknown --rm-type {rm_type!r}; valid: {', '.join(RM_TYPES)}, or boxed_<type> with a type that reads "
+            f"the whole response ({', '.join(BOXABLE)}) (or set --custom-rm-path)"
+        )
+    return rm_type
 
 
 async def async_rm(args: Any, sample: Sample, **kwargs: Any) -> float | dict[str, Any]:
-    """The built-in reward named by ``args.rm_type`` for one sample; unknown names raise ``ValueError``."""
-    rm_type = _check_rm_type(args)
+    """The built-in reward for one sample: its ``metadata["rm_type"]`` or ``--rm-type``; unknown names raise
+    ``ValueError``."""
+    metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+    rm_type = check_rm_type(metadata.get("rm_type") or getattr(args, "rm_type", None))
     if rm_type == "remote_rm":
         return await remote_rm(args, sample)
-    return _RULE_BASED[rm_type](sample.response, sample.label)
+    response = sample.response
+    if rm_type.startswith("boxed_"):
+        response, rm_type = extract_boxed(response) or "", rm_type.removeprefix("boxed_")
+    return _RULE_BASED[rm_type](response, sample.label, metadata)
 
 
 async def batched_async_rm(args: Any, samples: list[Sample], **kwargs: Any) -> list[float | dict[str, Any]]:
@@ -62,14 +99,17 @@ async def reward_samples(args: Any, samples: list[Sample]) -> int:
     """
     custom_path = getattr(args, "custom_rm_path", None)
     group_rm = getattr(args, "group_rm", False)
+    todo = [sample for sample in samples if sample.status != Status.FAILED]
     if custom_path:
         rm_fn = load_function(custom_path, "--custom-rm-path")
         source = f"--custom-rm-path {custom_path}"
     else:
         rm_fn = batched_async_rm if group_rm else async_rm
-        source = f"--rm-type {_check_rm_type(args)}"
+        source = f"--rm-type {getattr(args, 'rm_type', None)}"
+        for sample in todo:  # a wrong name is the run's configuration, not a sample's failure: stop here
+            metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+            check_rm_type(metadata.get("rm_type") or getattr(args, "rm_type", None))
     timeout_s = getattr(args, "rm_timeout", None)
-    todo = [sample for sample in samples if sample.status != Status.FAILED]
 
     if group_rm:
         if not todo:
@@ -125,15 +165,6 @@ async def _call_bounded(
         if isinstance(exc, TimeoutError) and deadline.expired():
             return None, f"reward timed out after {timeout_s}s"
         return None, f"reward function raised {type(exc).__name__}: {exc}"
-
-
-def _check_rm_type(args: Any) -> str:
-    rm_type = getattr(args, "rm_type", None)
-    if rm_type not in RM_TYPES:
-        raise ValueError(
-            f"unknown --rm-type {rm_type!r}; valid: {', '.join(RM_TYPES)} (or set --custom-rm-path)"
-        )
-    return rm_type
 
 
 def _check_reward(reward: Any) -> str | None:

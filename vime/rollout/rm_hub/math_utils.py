@@ -71,8 +71,12 @@ def compute_math_reward(response: str, label: Any) -> float:
     if label is None:
         raise ValueError("rm_type 'math' needs a label; the sample's label is None (check --label-key)")
     answer = extract_answer(response)
-    if answer is None:
-        return 0.0
+    return 0.0 if answer is None else float(answers_equal(answer, label))
+
+
+def answers_equal(answer: str, label: Any) -> bool:
+    """Whether ``answer`` and ``label`` (a bare answer, or a solution with ``\\boxed{...}``) are mathematically
+    equal, by math-verify."""
     gold_text = str(label)
     gold_text = extract_boxed(gold_text) or gold_text
     timeout_s = _MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
@@ -81,4 +85,4 @@ def compute_math_reward(response: str, label: Any) -> float:
         raise ValueError(f"math-verify cannot parse the label {gold_text!r}")
     from math_verify import verify
 
-    return 1.0 if verify(gold, _parse(answer, timeout_s), timeout_seconds=timeout_s) else 0.0
+    return bool(verify(gold, _parse(answer, timeout_s), timeout_seconds=timeout_s))
