@@ -43,9 +43,11 @@ def test_ppo_trains_the_critic_alone_first_then_both(tiny_model_dir, tmp_path):
         "--rm-type", "exact", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "2", "--num-rollout", "3", "--lr", "1e-3", "--critic-lr", "1e-3",
         "--save", str(tmp_path / "ckpt"), "--critic-save", str(tmp_path / "critic"), "--save-interval", "3",
-        *TEST_VLLM_FLAGS,
+        "--save-hf", str(tmp_path / "hf" / "step_{rollout_id}"), *TEST_VLLM_FLAGS,
     )  # fmt: skip
     assert [r["rollout_id"] for r in records] == [0, 1, 2]
+    exported = tmp_path / "hf" / "step_2"  # --save-hf at the (only) save, loadable by transformers
+    assert (exported / "config.json").exists() and list(exported.glob("*.safetensors"))
     assert all(r["critic/value_loss"] > 0 for r in records)
     assert not any(k.startswith("train/") for k in records[0]), "the actor trained during a critic-only step"
     assert all(r["train/grad_norm"] > 0 for r in records[1:])

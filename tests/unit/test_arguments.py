@@ -188,6 +188,8 @@ def _error_of(argv: list[str], capsys) -> str:
         ),
         (["--vllm-router-ip", "10.0.0.1"], "--vllm-router-ip and --vllm-router-port go together"),
         (["--update-weight-transport", "tensor"], "needs --colocate"),
+        (["--mtp-num-layers", "1"], "vime does not train multi-token-prediction layers"),
+        (["--rollout-num-gpus-per-engine", "16"], "is more than one node's GPUs (--num-gpus-per-node 8)"),
         (
             ["--sequence-parallel"],
             "--sequence-parallel: the fsdp backend shards over data-parallel ranks only",

@@ -347,3 +347,14 @@ def test_on_policy_distillation_pulls_the_student_towards_the_teacher(base_args,
     surrogate = sum(((t - b) * (a - b)).sum().item() for t, b, a in zip(teacher, before, after, strict=True))
     moved = sum((a - b).abs().sum().item() for b, a in zip(before, after, strict=True))
     assert moved > 1e-3 and surrogate > 0, (moved, surrogate)
+
+
+def test_a_distributed_backend_other_than_the_machines_is_refused(base_args):
+    import copy
+
+    from vime.utils.distributed import init_distributed
+
+    args = copy.copy(base_args)
+    args.distributed_backend = "nccl"  # this CPU machine uses gloo
+    with pytest.raises(ValueError, match="--distributed-backend nccl: vime uses gloo here"):
+        init_distributed(args.distributed_timeout_minutes, args.distributed_backend)

@@ -119,9 +119,12 @@ class Run:
         return self.actor.offload() if self.actor is not None else {}
 
     def save(self, rollout_id: int) -> None:
-        """Checkpoint the actor, the critic (``--critic-save``) and the data buffer at ``rollout_id``."""
+        """Checkpoint the actor, the critic (``--critic-save``) and the data buffer at ``rollout_id``; with
+        ``--save-hf`` also export the actor as a Hugging Face directory."""
         if self.actor is not None:
             self.actor.save(rollout_id, self.args.save)
+            if self.args.save_hf:
+                self.actor.export_hf(self.args.save_hf.format(rollout_id=rollout_id))
         if self.critic is not None and self.args.critic_save:
             self.critic.save(rollout_id, self.args.critic_save)
         ray.get(self.manager.save.remote(rollout_id, self.args.save))

@@ -136,6 +136,12 @@ def _check_batch_sizes(args: argparse.Namespace) -> None:
 
 
 def _check_cluster(args: argparse.Namespace) -> None:
+    if args.rollout_num_gpus_per_engine > args.num_gpus_per_node:
+        raise ValueError(
+            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} is more than one node's GPUs "
+            f"(--num-gpus-per-node {args.num_gpus_per_node}): an engine runs on one node; lower it (more engines) "
+            "or set --num-gpus-per-node if your nodes have more GPUs"
+        )
     if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
         raise ValueError(
             f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
@@ -192,6 +198,11 @@ _MEGATRON_PARALLELISM = (
 
 
 def _check_backend(args: argparse.Namespace) -> None:
+    if args.mtp_num_layers:
+        raise ValueError(
+            f"--mtp-num-layers {args.mtp_num_layers}: vime does not train multi-token-prediction layers (a "
+            "checkpoint's MTP weights are left out of training and of the weight sync); drop the flag"
+        )
     if args.train_backend == "fsdp":
         used = [
             f"--{n.replace('_', '-')} {getattr(args, n)}"

@@ -79,7 +79,12 @@ CLUSTER = [
         "--rollout-num-gpus-per-engine",
         dict(type=int, default=1, help="GPUs per engine (vLLM tensor parallel size)."),
     ),
-    ("--num-gpus-per-node", dict(type=int, default=8, help="GPUs per node, for placing engines.")),
+    (
+        "--num-gpus-per-node",
+        dict(
+            type=int, default=8, help="GPUs per node: an engine (--rollout-num-gpus-per-engine) fits in one."
+        ),
+    ),
     (
         "--colocate",
         dict(action="store_true", help="Training and rollout share GPUs (engines sleep while training)."),

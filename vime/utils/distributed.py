@@ -29,13 +29,19 @@ def device() -> torch.device:
     )
 
 
-def init_distributed(timeout_minutes: int = 10) -> None:
+def init_distributed(timeout_minutes: int = 10, requested_backend: str | None = None) -> None:
     """Initialise the default process group from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``.
 
     Does nothing when a group already exists. Without ``WORLD_SIZE`` in the environment this is a
     single-process group on a free local port, so a trainer also runs in a notebook or a unit test. With CUDA,
-    the rank's device is ``LOCAL_RANK`` (default: rank modulo the visible GPUs).
+    the rank's device is ``LOCAL_RANK`` (default: rank modulo the visible GPUs). ``requested_backend``
+    (``--distributed-backend``) must be the one this machine gets, or ``ValueError`` says why.
     """
+    if requested_backend is not None and requested_backend != backend():
+        raise ValueError(
+            f"--distributed-backend {requested_backend}: vime uses {backend()} here ({'CUDA' if backend() == 'nccl' else 'no CUDA'}"
+            " visible); it picks nccl on GPUs and gloo on CPUs so that both run one code path. Drop the flag"
+        )
     if dist.is_initialized():
         return
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

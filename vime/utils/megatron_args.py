@@ -72,7 +72,14 @@ _MODEL = [
             help="Layer implementation.",
         ),
     ),
-    ("--mtp-num-layers", dict(type=int, default=None, help="Multi-token-prediction layers (GLM-4.5).")),
+    (
+        "--mtp-num-layers",
+        dict(
+            type=int,
+            default=None,
+            help="Multi-token-prediction layers: not trained by vime (refused if > 0).",
+        ),
+    ),
 ]
 
 _MOE = [
@@ -130,7 +137,11 @@ _PARALLEL = [
     ("--recompute-num-layers", dict(type=int, default=None, help="Layers to recompute.")),
     (
         "--distributed-backend",
-        dict(default="nccl", choices=["nccl", "gloo"], help="torch.distributed backend."),
+        dict(
+            default=None,
+            choices=["nccl", "gloo"],
+            help="torch.distributed backend; vime picks nccl on GPUs, gloo on CPUs (a different value is refused).",
+        ),
     ),
     ("--distributed-timeout-minutes", dict(type=int, default=10, help="Collective timeout.")),
 ]

@@ -49,7 +49,7 @@ class FSDPTrainer(TrainerBase):
     def __init__(self, args: argparse.Namespace, role: str = "actor"):
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
-        init_distributed()
+        init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
         self.args, self.role = args, role
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.device = device()

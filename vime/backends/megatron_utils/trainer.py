@@ -62,7 +62,7 @@ def _dp_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
 
 def init_megatron_parallel(args: argparse.Namespace) -> None:
     """torch.distributed (NCCL) plus Megatron's TP/PP/CP/EP groups; a no-op when already done."""
-    init_distributed(args.distributed_timeout_minutes)
+    init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
