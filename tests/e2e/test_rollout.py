@@ -67,7 +67,7 @@ def test_rollout_returns_groups_with_tokens_logprobs_statuses_and_rewards(manage
             assert len(s.rollout_log_probs) == s.response_length == len(s.loss_mask)
             assert all(lp <= 0 for lp in s.rollout_log_probs) and set(s.loss_mask) == {1}
             assert s.status in (Status.COMPLETED, Status.TRUNCATED)
-            assert s.reward in (0.0, 1.0) and s.weight_versions == [0] and s.rollout_id == 0
+            assert s.reward in (0.0, 1.0) and s.weight_versions == [0] and s.rollout_step == 0
     assert output.metrics["rollout/submitted_groups"] == B
     assert 0.0 <= output.metrics["rollout/reward_mean"] <= 1.0
 

@@ -67,3 +67,35 @@ def test_mark_failed_keeps_reason():
     sample = Sample()
     sample.mark_failed("reward function raised KeyError: 'x'")
     assert sample.status is Status.FAILED and sample.failure_reason == "reward function raised KeyError: 'x'"
+
+
+def test_slime_plugin_surface():
+    from types import SimpleNamespace
+
+    sample = Sample(index=3, tokens=[1, 2], reward={"score": -1.0, "acc": False})
+    assert Sample.Status.COMPLETED is Status.COMPLETED
+    assert sample.get_reward_value(SimpleNamespace(reward_key="score")) == -1.0
+    sample.append_response_tokens(tokens=[7, 8], log_probs=[-0.5, -0.25], text="ab")
+    sample.append_response_tokens(tokens=[9], trainable=False, text="<tool>")
+    sample.append_response_tokens(
+        tokens=[4], log_probs=[-1.0], meta_info={"finish_reason": {"type": "length"}}
+    )
+    assert sample.tokens == [1, 2, 7, 8, 9, 4] and sample.response == "ab<tool>"
+    assert sample.loss_mask == [1, 1, 0, 1] and sample.rollout_log_probs == [-0.5, -0.25, 0.0, -1.0]
+    assert sample.response_length == 4 and sample.effective_response_length == 3
+    assert sample.status == Status.TRUNCATED
+    with pytest.raises(ValueError, match="need their rollout log-probs"):
+        sample.append_response_tokens(tokens=[5])
+    with pytest.raises(ValueError, match="take no log_probs"):
+        sample.append_response_tokens(tokens=[5], log_probs=[0.0], trainable=False)
+
+
+def test_from_dict_reads_a_slime_sample():
+    slime = {"index": 1, "tokens": [1, 2, 3], "response_length": 1, "status": "completed", "rollout_id": 7,
+             "session_id": "s1", "teacher_log_probs": None, "spec_info": {"spec_accept_token_num": 0}}  # fmt: skip
+    sample = Sample.from_dict(slime)
+    assert sample.rollout_id == 7 and sample.status == Status.COMPLETED
+    assert sample.metadata["slime"] == {"session_id": "s1", "teacher_log_probs": None,
+                                        "spec_info": {"spec_accept_token_num": 0}}  # fmt: skip
+    with pytest.raises(ValueError, match="unknown Sample fields \\['typo'\\]"):
+        Sample.from_dict({"typo": 1})

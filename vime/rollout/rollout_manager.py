@@ -113,7 +113,7 @@ class RolloutManager:
             )
         for group in output.samples:
             for sample in group:
-                sample.rollout_id = rollout_id
+                sample.rollout_step = rollout_id
         if self.args.save_debug_rollout_data:
             save_rollout_data(
                 self.args.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, output

@@ -222,12 +222,8 @@ def append_response(
     sample: Sample, token_ids: list[int], log_probs: list[float], text: str, trainable: bool
 ) -> None:
     """Append generated (``trainable``) or environment/tool tokens (masked out, log-prob 0) to a sample."""
-    sample.tokens = sample.tokens + list(token_ids)
-    sample.response += text
-    sample.response_length += len(token_ids)
-    sample.loss_mask = (sample.loss_mask or []) + [int(trainable)] * len(token_ids)
-    sample.rollout_log_probs = (sample.rollout_log_probs or []) + (
-        list(log_probs) if trainable else [0.0] * len(token_ids)
+    sample.append_response_tokens(
+        tokens=token_ids, log_probs=log_probs if trainable else None, trainable=trainable, text=text
     )
 
 

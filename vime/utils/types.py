@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 
 class Status(StrEnum):
@@ -26,13 +27,26 @@ class Status(StrEnum):
         return mapping[finish_reason]
 
 
+# Fields of slime's Sample that vime does not use; ``Sample.from_dict`` keeps them in ``metadata["slime"]``.
+SLIME_ONLY_FIELDS = (
+    "multimodal_inputs", "multimodal_train_inputs", "multimodal_train_input_id", "apply_chat_template_kwargs",
+    "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts", "teacher_log_probs",
+    "generate_function_path", "custom_rm_path", "session_id", "spec_info", "prefix_cache_info",
+)  # fmt: skip
+
+
 @dataclass
 class Sample:
     """One prompt and (once generated) one response, with everything training needs.
 
     ``tokens`` holds prompt + response ids; ``loss_mask`` and ``rollout_log_probs`` cover the response only
-    (length ``response_length``). ``failure_reason`` explains a FAILED status.
+    (length ``response_length``). ``failure_reason`` explains a FAILED status. As in slime, ``rollout_id``
+    identifies the trajectory a sample belongs to (None: the sample is its own; a plug-in that splits one
+    trajectory into several samples sets it on every sibling), and ``Sample.Status`` is the status enum.
+    ``rollout_step`` is the training step whose rollout produced the sample.
     """
+
+    Status: ClassVar = Status
 
     group_index: int | None = None
     index: int | None = None
@@ -49,6 +63,7 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     weight_versions: list[int] = field(default_factory=list)
     rollout_id: int | None = None
+    rollout_step: int | None = None
     remove_sample: bool = False
     train_metadata: dict[str, Any] | None = None
 
@@ -71,6 +86,53 @@ class Sample:
             raise ValueError(f"sample {self.index} has no reward yet (status {self.status.value})")
         return float(self.reward)
 
+    def get_reward_value(self, args) -> float:
+        """slime's accessor: the scalar reward under ``args.reward_key``."""
+        return self.reward_value(getattr(args, "reward_key", None))
+
+    @property
+    def effective_response_length(self) -> int:
+        """Response tokens that train (the loss mask's ones; all of them without a mask)."""
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def append_response_tokens(
+        self,
+        args: Any = None,
+        *,
+        tokens: Sequence[int] = (),
+        log_probs: Sequence[float] | None = None,
+        trainable: bool = True,
+        meta_info: dict[str, Any] | None = None,
+        text: str | None = None,
+        update_terminal_info: bool = True,
+    ) -> None:
+        """Append response tokens, keeping ``loss_mask`` and ``rollout_log_probs`` aligned (slime's signature).
+
+        Generated tokens pass ``trainable=True`` with their ``log_probs``; tool or environment tokens pass
+        ``trainable=False`` (loss mask 0, log-prob 0). ``meta_info={"finish_reason": ...}`` (a vLLM finish reason,
+        or SGLang's ``{"type": ...}``) sets the status when ``update_terminal_info``."""
+        tokens = [int(t) for t in tokens]
+        if trainable and tokens and log_probs is None:
+            raise ValueError("trainable response tokens need their rollout log-probs (log_probs=...)")
+        if not trainable and log_probs is not None:
+            raise ValueError("tokens with trainable=False (tool/environment output) take no log_probs")
+        log_probs = (
+            [float(lp) for lp in log_probs] if trainable and log_probs is not None else [0.0] * len(tokens)
+        )
+        if len(log_probs) != len(tokens):
+            raise ValueError(f"{len(log_probs)} log-probs for {len(tokens)} tokens")
+        self.tokens = self.tokens + tokens
+        self.loss_mask = (self.loss_mask or [1] * self.response_length) + [int(trainable)] * len(tokens)
+        self.rollout_log_probs = (self.rollout_log_probs or [0.0] * self.response_length) + log_probs
+        self.response_length += len(tokens)
+        if text is not None:
+            self.response += text
+        finish = (meta_info or {}).get("finish_reason")
+        if update_terminal_info and finish is not None:
+            self.status = Status.from_finish_reason(
+                finish.get("type") if isinstance(finish, dict) else finish
+            )
+
     def mark_failed(self, reason: str) -> None:
         """Set FAILED with a human-readable reason (the batch goes on without this sample's reward)."""
         self.status = Status.FAILED
@@ -84,14 +146,19 @@ class Sample:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
-        """Inverse of :meth:`to_dict`; unknown keys raise so that mismatched files are noticed."""
+        """Inverse of :meth:`to_dict`, also reading slime's ``Sample.to_dict`` (its fields vime has no use for go
+        to ``metadata["slime"]``); other unknown keys raise so that mismatched files are noticed."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+        slime_only = {k: v for k, v in data.items() if k in SLIME_ONLY_FIELDS}
+        unknown = set(data) - known - set(slime_only)
         if unknown:
             raise ValueError(f"unknown Sample fields {sorted(unknown)}; known fields are {sorted(known)}")
-        data = dict(data)
+        data = {k: v for k, v in data.items() if k in known}
         data["status"] = Status(data.get("status", Status.PENDING.value))
-        return cls(**data)
+        sample = cls(**data)
+        if slime_only:
+            sample.metadata = {**(sample.metadata or {}), "slime": slime_only}
+        return sample
 
 
 @dataclass
