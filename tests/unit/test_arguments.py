@@ -221,9 +221,14 @@ def test_required_flags_are_named(capsys):
     assert "--prompt-data is required" in _error_of(no_prompts, capsys)
 
 
-def test_grpo_needs_groups(capsys):
+def test_grpo_with_one_sample_per_prompt_turns_std_off_and_warns(caplog):
     argv = [t if t != "4" else "1" for t in BASE]  # --rollout-batch-size 1 --n-samples-per-prompt 1
-    assert "needs groups: set --n-samples-per-prompt >= 2" in _error_of(argv, capsys)
+    args = parse_args(argv)
+    assert args.grpo_std_normalization is False and args.rewards_normalization is True
+    assert "the policy gets no signal" in caplog.text
+    caplog.clear()
+    raw = parse_args([*argv, "--disable-rewards-normalization"])
+    assert raw.rewards_normalization is False and "no signal" not in caplog.text
 
 
 def test_megatron_backend_without_megatron_core_suggests_fsdp(capsys):

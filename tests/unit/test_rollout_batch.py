@@ -30,7 +30,11 @@ def _output() -> RolloutFnTrainOutput:
 
 def _args():
     return argparse.Namespace(
-        advantage_estimator="grpo", disable_grpo_std_normalization=False, reward_key=None, global_batch_size=4
+        advantage_estimator="grpo",
+        grpo_std_normalization=True,
+        rewards_normalization=True,
+        reward_key=None,
+        global_batch_size=4,
     )
 
 

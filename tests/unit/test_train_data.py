@@ -26,7 +26,8 @@ from vime.utils.types import Sample, Status
 def make_args(**overrides) -> argparse.Namespace:
     base = dict(
         advantage_estimator="grpo",
-        disable_grpo_std_normalization=False,
+        grpo_std_normalization=True,
+        rewards_normalization=True,
         reward_key=None,
         kl_coef=0.0,
         kl_loss_type="k1",
@@ -54,6 +55,8 @@ def test_grpo_normalises_each_group_by_mean_and_unbiased_std():
     # group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735; group 2: equal rewards -> 0 / (0 + eps) = 0
     z = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     assert shaped == pytest.approx([z, -z, -z, z, 0.0, 0.0])
+    raw = shape_rewards(make_args(rewards_normalization=False), groups)  # --disable-rewards-normalization
+    assert raw == [s.reward_value() for g in groups for s in g]
 
 
 def test_failed_and_removed_samples_get_zero_and_leave_the_group_statistics():
@@ -84,7 +87,7 @@ def test_group_with_one_trainable_sample_has_no_baseline():
 )
 def test_shaping_per_estimator(estimator, disable_std, expected):
     groups = [[sample(2.0), sample(0.5), sample(2.0)]]
-    args = make_args(advantage_estimator=estimator, disable_grpo_std_normalization=disable_std)
+    args = make_args(advantage_estimator=estimator, grpo_std_normalization=not disable_std)
     assert shape_rewards(args, groups) == pytest.approx(expected)
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 
 def finalize_args(args: argparse.Namespace) -> None:
@@ -67,15 +70,15 @@ def _check_algorithm(args: argparse.Namespace) -> None:
         raise ValueError(f"--eps-clip-c {args.eps_clip_c}: the dual-clip constant must be > 1 (e.g. 3.0)")
     if args.tis_clip_low > args.tis_clip:
         raise ValueError(f"--tis-clip-low {args.tis_clip_low} is above --tis-clip {args.tis_clip}")
-    if (
-        args.advantage_estimator in ("grpo", "gspo")
-        and args.n_samples_per_prompt < 2
-        and not args.debug_train_only
-    ):
-        raise ValueError(
-            f"--advantage-estimator {args.advantage_estimator} needs groups: set --n-samples-per-prompt >= 2 "
-            "(the group mean is the baseline)"
-        )
+    if args.n_samples_per_prompt == 1 and args.advantage_estimator in ("grpo", "gspo"):
+        args.grpo_std_normalization = False  # as slime: the std of one sample is undefined
+        if args.rewards_normalization and not args.debug_train_only:
+            logger.warning(
+                "--n-samples-per-prompt 1 with --advantage-estimator %s: each group is one sample, so its reward "
+                "minus the group mean is 0 and the policy gets no signal (std normalisation is off, as in "
+                "slime). Sample more per prompt, or train on raw rewards with --disable-rewards-normalization",
+                args.advantage_estimator,
+            )
 
 
 def _check_batch_sizes(args: argparse.Namespace) -> None:

@@ -232,7 +232,19 @@ ALGORITHM = [
     ),
     (
         "--disable-grpo-std-normalization",
-        dict(action="store_true", help="GRPO/GSPO: subtract the group mean only."),
+        dict(
+            action="store_false",
+            dest="grpo_std_normalization",
+            help="GRPO/GSPO: subtract the group mean only, no division by the group std (Dr. GRPO).",
+        ),
+    ),
+    (
+        "--disable-rewards-normalization",
+        dict(
+            action="store_false",
+            dest="rewards_normalization",
+            help="grpo/gspo/reinforce_plus_plus_baseline: train on the raw rewards (no group baseline).",
+        ),
     ),
     (
         "--normalize-advantages",

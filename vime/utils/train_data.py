@@ -52,11 +52,11 @@ def shape_rewards(args: argparse.Namespace, groups: list[list[Sample]]) -> list[
     grpo / gspo / reinforce_plus_plus_baseline: ``r − mean(group)``, and for grpo/gspo ``/ (std + 1e-6)`` unless
     ``--disable-grpo-std-normalization``; the statistics use the group's trainable samples only (a FAILED
     sample has no meaningful reward). A group with fewer than two trainable samples has no baseline to compare
-    against, so its samples get 0. ppo / reinforce_plus_plus: the raw reward. Untrainable samples get 0.
-    Dict rewards are read with ``--reward-key``.
+    against, so its samples get 0. ppo / reinforce_plus_plus, or ``--disable-rewards-normalization``: the raw
+    reward. Untrainable samples get 0. Dict rewards are read with ``--reward-key``.
     """
-    grouped = args.advantage_estimator in GROUP_BASELINE_ESTIMATORS
-    normalize_std = args.advantage_estimator in ("grpo", "gspo") and not args.disable_grpo_std_normalization
+    grouped = args.advantage_estimator in GROUP_BASELINE_ESTIMATORS and args.rewards_normalization
+    normalize_std = args.advantage_estimator in ("grpo", "gspo") and args.grpo_std_normalization
     shaped: list[float] = []
     for group in groups:
         out = [0.0] * len(group)
