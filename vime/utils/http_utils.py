@@ -1,0 +1,64 @@
+"""The HTTP helpers slime plug-ins import (``from slime.utils.http_utils import post`` becomes
+``from vime.utils.http_utils import post``): JSON ``post`` with retries and ``get``, over one shared aiohttp
+session per event loop, never through an HTTP proxy (the calls stay inside the cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+_sessions: dict[int, aiohttp.ClientSession] = {}
+
+
+def _session() -> aiohttp.ClientSession:
+    """This event loop's shared session (created on first use, no total timeout, no proxy from the environment)."""
+    key = id(asyncio.get_running_loop())
+    session = _sessions.get(key)
+    if session is None or session.closed:
+        connector = aiohttp.TCPConnector(limit=0)
+        session = _sessions[key] = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None), trust_env=False
+        )
+    return session
+
+
+def _decode(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        return body.decode(errors="replace")
+
+
+async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
+    """POST ``payload`` as JSON; the decoded JSON answer (text if it is not JSON). Connection errors and HTTP
+    errors are retried once a second, up to ``max_retries`` attempts; the last error is raised."""
+    for attempt in range(1, max_retries + 1):
+        try:
+            async with _session().post(url, json=payload or {}, headers=headers) as response:
+                body = await response.read()
+                if response.status >= 400:
+                    raise aiohttp.ClientResponseError(
+                        response.request_info,
+                        (),
+                        status=response.status,
+                        message=body[:300].decode(errors="replace"),
+                    )
+                return _decode(body)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if attempt == max_retries:
+                raise
+            logger.info("POST %s failed (%s); retry %d of %d", url, exc, attempt, max_retries - 1)
+            await asyncio.sleep(1)
+    raise ValueError(f"max_retries must be >= 1, not {max_retries}")
+
+
+async def get(url: str) -> Any:
+    """GET ``url``; the decoded JSON answer (HTTP errors raise)."""
+    async with _session().get(url) as response:
+        response.raise_for_status()
+        return _decode(await response.read())
