@@ -296,3 +296,20 @@ def test_run_paths_are_checked_when_a_run_starts(tmp_path):
     args.save = str(tmp_path / "ckpt")
     check_run_paths(args)
     assert (tmp_path / "ckpt").is_dir()
+
+
+def test_context_cap_and_eval_before_train(monkeypatch):
+    from types import SimpleNamespace
+
+    from vime.ray.run import Run
+    from vime.rollout.vllm_rollout import max_new_tokens
+    from vime.utils.types import Sample
+
+    sample = Sample(tokens=[1] * 10, response_length=4)  # 6 prompt + 4 response tokens
+    assert max_new_tokens(SimpleNamespace(rollout_max_context_len=None), sample, {"max_tokens": 16}) == 12
+    assert max_new_tokens(SimpleNamespace(rollout_max_context_len=13), sample, {"max_tokens": 16}) == 3
+    args = parse_args(BASE + ["--eval-prompt-data", "e", "/e.jsonl", "--eval-interval", "2"])
+    run = SimpleNamespace(args=args, has_engines=True)
+    assert [Run.should_eval(run, i) for i in range(3)] == [True, False, True]
+    args.skip_eval_before_train = True
+    assert [Run.should_eval(run, i) for i in range(3)] == [False, False, True]

@@ -164,7 +164,7 @@ def test_max_prompt_len_filter_is_counted_and_reported(tmp_path, tokenizer, capl
     with caplog.at_level(logging.WARNING):
         data = load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer, max_prompt_len=5)
     assert [s.index for s in data.samples] == [0, 2] and data.num_too_long == 2
-    assert "dropped 2 of 4 prompts longer than --rollout-max-prompt-len 5" in caplog.text
+    assert "dropped 2 of 4 prompts longer than the max prompt length, 5 tokens" in caplog.text
     with pytest.raises(DataError, match="no prompts left after dropping 4"):
         load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer, max_prompt_len=2)
 

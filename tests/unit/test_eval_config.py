@@ -25,6 +25,13 @@ def make_args(**overrides) -> argparse.Namespace:
         tool_key=None,
         apply_chat_template=True,
         eval_reward_key=None,
+        eval_input_key=None,
+        eval_label_key=None,
+        eval_tool_key=None,
+        eval_min_new_tokens=0,
+        eval_max_prompt_len=None,
+        eval_max_context_len=None,
+        rollout_max_context_len=None,
     )
     return argparse.Namespace(**{**values, **overrides})
 
@@ -53,6 +60,9 @@ def test_pairs_take_every_setting_from_the_flags():
             tool_key=None,
             apply_chat_template=True,
             reward_key=None,
+            min_new_tokens=0,
+            max_prompt_len=None,
+            max_context_len=None,
         ),
         EvalDatasetConfig(**{**vars(configs[0]), "name": "gsm8k", "path": "g.jsonl@[:50]"}),
     ]
@@ -168,3 +178,15 @@ def test_bad_yaml_names_the_problem(tmp_path, text, message):
 def test_missing_yaml_file_names_the_path(tmp_path):
     with pytest.raises(ValueError, match=r"--eval-config .*nope.yaml: file not found"):
         load_eval_configs(make_args(eval_config=str(tmp_path / "nope.yaml")))
+
+
+def test_eval_flags_default_to_the_training_ones():
+    from vime.rollout.eval_config import load_eval_configs
+
+    args = make_args(eval_prompt_data=["a", "a.jsonl"], eval_label_key="answer", rollout_max_context_len=512)
+    (config,) = load_eval_configs(args)
+    assert (config.input_key, config.label_key, config.tool_key) == ("prompt", "answer", None)
+    assert config.max_context_len == 512 and config.min_new_tokens == 0 and config.max_prompt_len is None
+    (config,) = load_eval_configs(make_args(eval_prompt_data=["a", "a.jsonl"], eval_max_context_len=64,
+                                            rollout_max_context_len=512, eval_input_key="question"))  # fmt: skip
+    assert config.max_context_len == 64 and config.input_key == "question"

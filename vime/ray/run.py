@@ -137,6 +137,9 @@ class Run:
         )
 
     def should_eval(self, rollout_id: int) -> bool:
+        """Every ``--eval-interval`` rollouts, including before the first step unless ``--skip-eval-before-train``."""
+        if rollout_id == 0 and self.args.skip_eval_before_train:
+            return False
         return (
             self.has_engines and bool(self.args.eval_interval) and rollout_id % self.args.eval_interval == 0
         )

@@ -14,8 +14,9 @@ The YAML schema (every key except ``name`` and ``path`` is optional)::
 
 Precedence per field: dataset entry > ``eval.defaults`` > flags (``--n-samples-per-eval-prompt``,
 ``--eval-temperature``, ``--eval-top-p``, ``--eval-top-k``, ``--eval-max-response-len``, ``--rm-type``,
-``--input-key``, ``--label-key``, ``--metadata-key``, ``--tool-key``, ``--apply-chat-template``,
-``--eval-reward-key``). Passing both ``--eval-prompt-data`` and ``--eval-config`` is an error: one source of
+``--eval-input-key``/``--input-key``, ``--eval-label-key``/``--label-key``, ``--metadata-key``,
+``--eval-tool-key``/``--tool-key``, ``--apply-chat-template``, ``--eval-reward-key``, ``--eval-min-new-tokens``,
+``--eval-max-prompt-len``, ``--eval-max-context-len``/``--rollout-max-context-len``). Passing both ``--eval-prompt-data`` and ``--eval-config`` is an error: one source of
 eval datasets, so that no flag is silently ignored.
 """
 
@@ -63,6 +64,12 @@ class EvalDatasetConfig:
     """Render prompts with the tokenizer's chat template."""
     reward_key: str | None
     """Key of a dict reward to report (``--eval-reward-key``)."""
+    min_new_tokens: int
+    """Min new tokens per response (``--eval-min-new-tokens``)."""
+    max_prompt_len: int | None
+    """Drop prompts longer than this many tokens (``--eval-max-prompt-len``)."""
+    max_context_len: int | None
+    """Prompt + response token cap (``--eval-max-context-len``, else ``--rollout-max-context-len``)."""
 
 
 FIELDS = [f.name for f in dataclasses.fields(EvalDatasetConfig)]
@@ -82,6 +89,9 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "tool_key": (str, type(None)),
     "apply_chat_template": (bool,),
     "reward_key": (str, type(None)),
+    "min_new_tokens": (int,),
+    "max_prompt_len": (int, type(None)),
+    "max_context_len": (int, type(None)),
 }
 
 
@@ -109,12 +119,15 @@ def _flag_defaults(args: argparse.Namespace) -> dict[str, Any]:
         "top_p": args.eval_top_p,
         "top_k": args.eval_top_k,
         "max_response_len": args.eval_max_response_len,
-        "input_key": args.input_key,
-        "label_key": args.label_key,
+        "input_key": args.eval_input_key or args.input_key,
+        "label_key": args.eval_label_key or args.label_key,
         "metadata_key": args.metadata_key,
-        "tool_key": args.tool_key,
+        "tool_key": args.eval_tool_key or args.tool_key,
         "apply_chat_template": args.apply_chat_template,
         "reward_key": args.eval_reward_key,
+        "min_new_tokens": args.eval_min_new_tokens,
+        "max_prompt_len": args.eval_max_prompt_len,
+        "max_context_len": args.eval_max_context_len or args.rollout_max_context_len,
     }
 
 

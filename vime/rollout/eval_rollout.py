@@ -43,6 +43,7 @@ def _dataset(args, config: EvalDatasetConfig) -> PromptDataset:
             tool_key=config.tool_key,
             apply_chat_template=config.apply_chat_template,
             chat_template_kwargs=args.apply_chat_template_kwargs,
+            max_prompt_len=config.max_prompt_len,
         )
     return _datasets[key]
 
@@ -64,13 +65,17 @@ def _eval_groups(dataset: PromptDataset, n_samples: int) -> list[list[Sample]]:
 async def evaluate_dataset(args, config: EvalDatasetConfig) -> tuple[dict, dict[str, float]]:
     """Sample and score one eval dataset; return its data entry and its metrics."""
     dataset = _dataset(args, config)
-    eval_args = argparse.Namespace(**{**vars(args), "rm_type": config.rm_type})
+    eval_args = argparse.Namespace(
+        **{**vars(args), "rm_type": config.rm_type, "rollout_max_context_len": config.max_context_len}
+    )
     params = {
         "temperature": config.temperature,
         "top_p": config.top_p,
         "top_k": config.top_k,
         "max_tokens": config.max_response_len,
     } | stop_params(args)
+    if config.min_new_tokens:
+        params["min_tokens"] = config.min_new_tokens
     groups = await asyncio.gather(
         *(generate_group(eval_args, group, params) for group in _eval_groups(dataset, config.n_samples))
     )

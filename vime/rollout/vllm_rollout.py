@@ -173,11 +173,19 @@ async def _request(ctx: RolloutContext, payload: dict[str, Any], samples: list[S
             return None
 
 
+def max_new_tokens(args, sample: Sample, sampling_params: dict[str, Any]) -> int:
+    """Tokens ``sample`` may still generate: ``max_tokens`` minus its response so far, and no more than
+    ``--rollout-max-context-len`` minus its length when that is set."""
+    remaining = sampling_params["max_tokens"] - sample.response_length
+    context = getattr(args, "rollout_max_context_len", None)
+    return remaining if context is None else min(remaining, context - len(sample.tokens))
+
+
 async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """Generate (or continue, for a partially generated sample) one response, token-in/token-out."""
     if sample.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED):
         return sample
-    remaining = sampling_params["max_tokens"] - sample.response_length
+    remaining = max_new_tokens(args, sample, sampling_params)
     if remaining <= 0:
         sample.status = Status.TRUNCATED
         return sample
@@ -205,7 +213,12 @@ def is_fresh_group(group: list[Sample]) -> bool:
 async def generate_fresh_group(args, group: list[Sample], sampling_params: dict[str, Any]) -> list[Sample]:
     """Generate a whole group (:func:`is_fresh_group`) with one request of ``n = len(group)``: one HTTP round trip
     and one prefill for the group instead of one per sample, the same samples as :func:`generate` would draw."""
-    payload = _completion_payload(args, group[0].tokens, sampling_params, sampling_params["max_tokens"])
+    remaining = max_new_tokens(args, group[0], sampling_params)
+    if remaining <= 0:
+        for sample in group:
+            sample.status = Status.TRUNCATED
+        return group
+    payload = _completion_payload(args, group[0].tokens, sampling_params, remaining)
     payload["n"] = len(group)
     if getattr(args, "rollout_sample_seeds", False):
         payload["seed"] = sample_seed(args, group[0])

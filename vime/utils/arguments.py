@@ -110,6 +110,14 @@ DATA = [
         dict(type=_json_dict, default={}, help="JSON kwargs for apply_chat_template."),
     ),
     (
+        "--rollout-max-context-len",
+        dict(
+            type=int,
+            default=None,
+            help="Prompt + response token cap: a response stops at this context length (TRUNCATED).",
+        ),
+    ),
+    (
         "--rollout-max-prompt-len",
         dict(
             type=int, default=None, help="Drop prompts longer than this many tokens (counted and reported)."
@@ -336,6 +344,23 @@ EVAL = [
     ("--eval-temperature", dict(type=float, default=None, help="Eval temperature (default: rollout's).")),
     ("--eval-top-p", dict(type=float, default=None, help="Eval top-p (default: rollout's).")),
     ("--eval-top-k", dict(type=int, default=None, help="Eval top-k (default: rollout's).")),
+    ("--eval-min-new-tokens", dict(type=int, default=0, help="Eval min new tokens per response.")),
+    ("--eval-input-key", dict(default=None, help="Eval prompt field (default: --input-key).")),
+    ("--eval-label-key", dict(default=None, help="Eval label field (default: --label-key).")),
+    ("--eval-tool-key", dict(default=None, help="Eval tools field (default: --tool-key).")),
+    (
+        "--eval-max-prompt-len",
+        dict(type=int, default=None, help="Drop eval prompts longer than this many tokens (logged)."),
+    ),
+    (
+        "--eval-max-context-len",
+        dict(
+            type=int,
+            default=None,
+            help="Eval prompt + response token cap (default: --rollout-max-context-len).",
+        ),
+    ),
+    ("--skip-eval-before-train", dict(action="store_true", help="No eval before the first training step.")),
 ]
 
 DEBUG_AND_LOGGING = [

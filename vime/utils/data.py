@@ -193,7 +193,7 @@ def load_prompt_dataset(
         samples.append(Sample(index=row_index, prompt=text, tokens=token_ids, label=label, metadata=metadata))
     if num_too_long:
         logger.warning(
-            "%s: dropped %d of %d prompts longer than --rollout-max-prompt-len %d tokens",
+            "%s: dropped %d of %d prompts longer than the max prompt length, %d tokens",
             data_spec.path,
             num_too_long,
             num_too_long + len(samples),
@@ -201,6 +201,7 @@ def load_prompt_dataset(
         )
     if not samples:
         raise DataError(
-            f"{spec}: no prompts left after dropping {num_too_long} longer than --rollout-max-prompt-len {max_prompt_len}"
+            f"{spec}: no prompts left after dropping {num_too_long} longer than the max prompt length "
+            f"({max_prompt_len} tokens: --rollout-max-prompt-len / --eval-max-prompt-len)"
         )
     return PromptDataset(samples=samples, num_too_long=num_too_long)
