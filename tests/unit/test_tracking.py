@@ -37,6 +37,7 @@ def _args(**overrides) -> argparse.Namespace:
         wandb_group=None,
         wandb_exp_name=None,
         wandb_save_dir=None,
+        num_steps_per_rollout=1,
     )
     return argparse.Namespace(**{**base, **overrides})
 
@@ -201,3 +202,31 @@ def test_vime_plot_cli(tmp_path):
         cmd[:3] + ["plot", str(tmp_path / "missing")], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 1 and "vime plot:" in result.stderr and "no metrics file" in result.stderr
+
+
+def test_tensorboard_project_and_experiment_directories(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard", reason="needs `pip install tensorboard` (vime[tracking])")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    tracker = Tracker(
+        _args(use_tensorboard=True, tb_project_name="p", tb_experiment_name="e"), tmp_path / "run"
+    )
+    tracker.log(0, TRAIN)
+    tracker.close()
+    assert list((tmp_path / "tb" / "p" / "e").glob("events.out.tfevents.*"))
+
+
+def test_wandb_naming_flags(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="needs `pip install wandb` (vime[tracking])")
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    args = _args(use_wandb=True, wandb_exp_name="exp", wandb_random_suffix=True, wandb_team="team-x",
+                 wandb_run_id="fixedid1", wandb_dir=str(tmp_path / "wb"), wandb_always_use_train_step=True,
+                 num_steps_per_rollout=4)  # fmt: skip
+    tracker = Tracker(args, tmp_path / "run")
+    run = tracker._wandb_run
+    assert run.name.startswith("exp_") and len(run.name) == len("exp_") + 8  # slime's random suffix
+    assert run.id == "fixedid1" and tracker._step_scale == 4
+    tracker.close()
+    assert list((tmp_path / "wb" / "wandb").glob("offline-run-*fixedid1"))

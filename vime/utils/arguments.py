@@ -385,6 +385,31 @@ DEBUG_AND_LOGGING = [
     ("--use-wandb", dict(action="store_true", help="Log to Weights & Biases.")),
     ("--wandb-mode", dict(default=None, choices=["online", "offline", "disabled"], help="W&B mode.")),
     ("--wandb-group", dict(default=None, help="W&B group.")),
+    ("--wandb-team", dict(default=None, help="W&B entity (team or user).")),
+    (
+        "--wandb-key",
+        dict(default=None, help="W&B API key (logs in; the run goes online)."),
+    ),
+    ("--wandb-host", dict(default=None, help="W&B server URL (self-hosted).")),
+    ("--wandb-dir", dict(default=None, help="W&B local directory (same as --wandb-save-dir).")),
+    ("--wandb-run-id", dict(default=None, help="W&B run id to create or resume.")),
+    (
+        "--disable-wandb-random-suffix",
+        dict(
+            action="store_false",
+            dest="wandb_random_suffix",
+            help="Use --wandb-exp-name as is (no random suffix).",
+        ),
+    ),
+    (
+        "--wandb-always-use-train-step",
+        dict(action="store_true", help="W&B step = optimizer steps so far (default: the rollout id)."),
+    ),
+    ("--tb-project-name", dict(default=None, help="TensorBoard sub-directory (project).")),
+    (
+        "--tb-experiment-name",
+        dict(default=None, help="TensorBoard sub-directory (experiment) inside the project."),
+    ),
 ]
 
 VIME_GROUPS = [

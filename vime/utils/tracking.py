@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -87,31 +88,55 @@ class Tracker:
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # closed in close()
         self._tb = None
         self._wandb_run = None
+        self._step_scale = 1
         if getattr(args, "use_tensorboard", False):
             _require("tensorboard", "--use-tensorboard", "tensorboard")
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(
-                log_dir=str(getattr(args, "tensorboard_dir", None) or self.run_dir / "tensorboard")
-            )
+            self._tb = SummaryWriter(log_dir=str(self._tensorboard_dir(args)))
         if getattr(args, "use_wandb", False):
             self._wandb_run = self._init_wandb(args)
 
+    def _tensorboard_dir(self, args: argparse.Namespace) -> Path:
+        """``--tensorboard-dir`` (else ``$TENSORBOARD_DIR``, else the run's ``tensorboard/``), then
+        ``--tb-project-name`` / ``--tb-experiment-name`` below it."""
+        root = getattr(args, "tensorboard_dir", None) or os.environ.get("TENSORBOARD_DIR")
+        path = Path(root) if root else self.run_dir / "tensorboard"
+        for part in (getattr(args, "tb_project_name", None), getattr(args, "tb_experiment_name", None)):
+            path = path / part if part else path
+        return path
+
     def _init_wandb(self, args: argparse.Namespace) -> Any:
         wandb = _require("wandb", "--use-wandb", "wandb")
+        key, host = getattr(args, "wandb_key", None), getattr(args, "wandb_host", None)
+        if key or host:
+            wandb.login(key=key, host=host, relogin=bool(key))
         # Without an API key an online run would prompt or fail; offline keeps a local copy to `wandb sync`.
         mode = getattr(args, "wandb_mode", None) or os.environ.get("WANDB_MODE")
-        mode = mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        save_dir = Path(getattr(args, "wandb_save_dir", None) or self.run_dir)
+        mode = mode or ("online" if key or os.environ.get("WANDB_API_KEY") else "offline")
+        save_dir = Path(
+            getattr(args, "wandb_dir", None) or getattr(args, "wandb_save_dir", None) or self.run_dir
+        )
         save_dir.mkdir(parents=True, exist_ok=True)
         config = {
             k: v if isinstance(v, int | float | str | bool | type(None)) else str(v)
             for k, v in vars(args).items()
+            if k != "wandb_key"
         }
+        name = getattr(args, "wandb_exp_name", None)
+        if name and getattr(args, "wandb_random_suffix", False):  # as slime: distinct names for reruns
+            name = f"{name}_{secrets.token_hex(4)}"
+        self._step_scale = (
+            args.num_steps_per_rollout if getattr(args, "wandb_always_use_train_step", False) else 1
+        )
+        run_id = getattr(args, "wandb_run_id", None)
         return wandb.init(
             project=getattr(args, "wandb_project", None) or "vime",
+            entity=getattr(args, "wandb_team", None),
             group=getattr(args, "wandb_group", None),
-            name=getattr(args, "wandb_exp_name", None),
+            name=name,
+            id=run_id,
+            resume="allow" if run_id else None,
             dir=str(save_dir),
             mode=mode,
             config=config,
@@ -128,7 +153,7 @@ class Tracker:
                     self._tb.add_scalar(key, value, rollout_id)
             self._tb.flush()
         if self._wandb_run is not None:
-            self._wandb_run.log({k: float(v) for k, v in metrics.items()}, step=rollout_id)
+            self._wandb_run.log({k: float(v) for k, v in metrics.items()}, step=rollout_id * self._step_scale)
 
     def log(self, rollout_id: int, metrics: dict[str, float]) -> None:
         """Record one rollout step's metrics everywhere and print its status line."""
