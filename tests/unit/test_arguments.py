@@ -313,3 +313,12 @@ def test_context_cap_and_eval_before_train(monkeypatch):
     assert [Run.should_eval(run, i) for i in range(3)] == [True, False, True]
     args.skip_eval_before_train = True
     assert [Run.should_eval(run, i) for i in range(3)] == [False, False, True]
+
+
+def test_start_rollout_id_overrides_the_checkpoints():
+    from vime.ray.run import first_rollout_id
+
+    args = parse_args(BASE)
+    assert first_rollout_id(args, None) == 0 and first_rollout_id(args, 4) == 5
+    args = parse_args(BASE + ["--start-rollout-id", "2"])
+    assert first_rollout_id(args, None) == 2 and first_rollout_id(args, 4) == 2

@@ -173,6 +173,13 @@ class Run:
         print(f"[vime] metrics: {self.log_dir / 'metrics.jsonl'}{saved}", flush=True)
 
 
+def first_rollout_id(args: argparse.Namespace, last_saved: int | None) -> int:
+    """``--start-rollout-id`` if set, else the rollout after the loaded checkpoint's, else 0."""
+    if args.start_rollout_id is not None:
+        return args.start_rollout_id
+    return 0 if last_saved is None else last_saved + 1
+
+
 def start_run(args: argparse.Namespace) -> Run:
     """Start Ray, the engines + router, the training groups; resume from ``--load``; push the first weights."""
     check_run_paths(args)
@@ -209,9 +216,10 @@ def start_run(args: argparse.Namespace) -> Run:
         args.num_rollout = args.num_rollout or args.num_epoch * ray.get(
             manager.num_rollout_per_epoch.remote()
         )
-        run = Run(
-            args, manager, actor, critic, Tracker(args, log_dir), log_dir, 0 if last is None else last + 1
+        start = (
+            args.start_rollout_id if args.start_rollout_id is not None else 0 if last is None else last + 1
         )
+        run = Run(args, manager, actor, critic, Tracker(args, log_dir), log_dir, start)
         run.sync_weights()
         return run
     except BaseException:

@@ -361,6 +361,12 @@ EVAL = [
         ),
     ),
     ("--skip-eval-before-train", dict(action="store_true", help="No eval before the first training step.")),
+    (
+        "--start-rollout-id",
+        dict(
+            type=int, default=None, help="First rollout step (default: after the loaded checkpoint, else 0)."
+        ),
+    ),
 ]
 
 DEBUG_AND_LOGGING = [
