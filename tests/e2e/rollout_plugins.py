@@ -25,6 +25,20 @@ def keep_even_groups(args, samples):
     return DynamicFilterOutput(keep=keep, reason=None if keep else "odd_group")
 
 
+def remove_first_sample(args, groups):
+    """--rollout-sample-filter-path: the first sample of every group does not train."""
+    for group in groups:
+        group[0].remove_sample = True
+
+
+SEEN_GROUPS: list[list[int]] = []
+
+
+def record_all_groups(args, groups, data_source):
+    """--rollout-all-samples-process-path: remember which groups finished (kept and filtered out)."""
+    SEEN_GROUPS.append([group[0].group_index for group in groups])
+
+
 async def two_turns_with_tool_output(args, sample, sampling_params):
     """Model turn, a fake tool's reply (masked out of the loss), then a second model turn."""
     sampling_params["max_tokens"] = 3

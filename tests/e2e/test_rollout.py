@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import rollout_plugins
 import torch
 
 from vime.rollout.rollout_manager import RolloutManager
@@ -95,6 +96,8 @@ def test_over_sampling_with_filter_keeps_exactly_b_groups_and_aborts_the_rest(ma
         over_sampling_batch_size=2 * B,
         custom_generate_function_path="rollout_plugins.slow_odd_groups",
         dynamic_sampling_filter_path="rollout_plugins.keep_even_groups",
+        rollout_sample_filter_path="rollout_plugins.remove_first_sample",
+        rollout_all_samples_process_path="rollout_plugins.record_all_groups",
         partial_rollout=True,
     ):
         started = time.monotonic()
@@ -102,6 +105,9 @@ def test_over_sampling_with_filter_keeps_exactly_b_groups_and_aborts_the_rest(ma
         elapsed = time.monotonic() - started
     m = output.metrics
     assert len(output.samples) == B and all(g[0].group_index % 2 == 0 for g in output.samples)
+    assert all(g[0].remove_sample and not any(s.remove_sample for s in g[1:]) for g in output.samples)
+    (seen,) = rollout_plugins.SEEN_GROUPS  # every finished group: the kept ones and those the filter dropped
+    assert len(seen) == B + m.get("rollout/dropped_groups/odd_group", 0) and seen == sorted(seen)
     assert (
         m["rollout/submitted_groups"]
         == m.get("rollout/dropped_groups/odd_group", 0) + B + m["rollout/returned_to_buffer_groups"]

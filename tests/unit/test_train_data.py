@@ -59,14 +59,29 @@ def test_grpo_normalises_each_group_by_mean_and_unbiased_std():
     assert raw == [s.reward_value() for g in groups for s in g]
 
 
-def test_failed_and_removed_samples_get_zero_and_leave_the_group_statistics():
-    groups = [
-        [sample(1.0), sample(0.0), sample(None, status=Status.FAILED), sample(1.0), sample(5.0, remove=True)]
-    ]
+def test_failed_samples_get_zero_and_leave_the_statistics_removed_ones_stay_in_them():
+    groups = [[sample(1.0), sample(0.0), sample(None, status=Status.FAILED), sample(1.0)]]
     shaped = shape_rewards(make_args(), groups)
-    # trainable rewards 1, 0, 1: mean 2/3, unbiased std sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3)
+    # rewarded samples 1, 0, 1: mean 2/3, unbiased std sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3)
     std = math.sqrt(1 / 3) + 1e-6
-    assert shaped == pytest.approx([(1 / 3) / std, (-2 / 3) / std, 0.0, (1 / 3) / std, 0.0])
+    assert shaped == pytest.approx([(1 / 3) / std, (-2 / 3) / std, 0.0, (1 / 3) / std])
+    # as slime: remove_sample (e.g. set by --rollout-sample-filter-path) drops the loss, not the baseline
+    groups[0].append(sample(5.0, remove=True))
+    shaped = shape_rewards(make_args(), groups)
+    mean, std = 7 / 4, math.sqrt(((1 - 7 / 4) ** 2 * 2 + (7 / 4) ** 2 + (5 - 7 / 4) ** 2) / 3) + 1e-6
+    assert shaped == pytest.approx([(1 - mean) / std, -mean / std, 0.0, (1 - mean) / std, (5 - mean) / std])
+
+
+def test_custom_reward_post_process_replaces_the_shaping(tmp_path, monkeypatch):
+    (tmp_path / "post_hooks.py").write_text(
+        "def post(args, samples):\n"
+        "    raw = [s.reward_value() for s in samples]\n"
+        "    return raw, [10 * r for r in raw]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    groups = [[sample(1.0), sample(0.0)], [sample(0.5), sample(0.25)]]
+    args = make_args(custom_reward_post_process_path="post_hooks.post")
+    assert shape_rewards(args, groups) == [10.0, 0.0, 5.0, 2.5]
 
 
 def test_group_with_one_trainable_sample_has_no_baseline():

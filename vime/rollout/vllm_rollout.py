@@ -286,6 +286,9 @@ async def train_rollout(
     target = args.rollout_batch_size
     per_round = args.over_sampling_batch_size or target
     kept: list[list[Sample]] = []
+    filtered_out: list[
+        list[Sample]
+    ] = []  # groups the dynamic filter dropped (for --rollout-all-samples-process-path)
     dropped: Counter[str] = Counter()
     pending: dict[asyncio.Task, list[Sample]] = {}
     submitted = 0
@@ -309,6 +312,7 @@ async def train_rollout(
                     kept.append(samples)
                 else:
                     dropped[verdict.reason or "unspecified"] += 1
+                    filtered_out.append(samples)
         returned = await _abort_pending(ctx, pending) + kept[target:]
     except BaseException:
         for task in pending:
@@ -316,6 +320,11 @@ async def train_rollout(
         await asyncio.gather(*pending, return_exceptions=True)
         raise
     kept = kept[:target]
+    if args.rollout_sample_filter_path:  # slime's hook: set remove_sample on samples that should not train
+        load_function(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(args, kept)
+    if args.rollout_all_samples_process_path:  # slime's hook: every finished group, the filtered ones too
+        process = load_function(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")
+        process(args, sorted(kept + filtered_out, key=lambda group: group[0].index or 0), data_source)
     if not args.partial_rollout:
         returned = [[reset_to_prompt(s) for s in group] for group in returned]
     data_source.add_samples(returned)

@@ -156,6 +156,19 @@ ROLLOUT = [
         dict(default=None, help="fn(args, group) -> DynamicFilterOutput(keep, reason)."),
     ),
     (
+        "--rollout-sample-filter-path",
+        dict(
+            default=None, help="fn(args, groups) -> None; sets sample.remove_sample (no loss; baseline kept)."
+        ),
+    ),
+    (
+        "--rollout-all-samples-process-path",
+        dict(
+            default=None,
+            help="fn(args, groups, data_source): every finished group, dynamically filtered too.",
+        ),
+    ),
+    (
         "--partial-rollout",
         dict(action="store_true", help="Keep aborted samples and resume them next rollout."),
     ),
@@ -283,6 +296,13 @@ ALGORITHM = [
     ),
     ("--custom-loss-function-path", dict(default=None, help="Replace the policy loss.")),
     ("--custom-advantage-function-path", dict(default=None, help="Replace the advantage estimator.")),
+    (
+        "--custom-reward-post-process-path",
+        dict(
+            default=None,
+            help="fn(args, samples) -> (raw_rewards, rewards): replaces the group normalisation.",
+        ),
+    ),
     (
         "--opd-kl-coef",
         dict(

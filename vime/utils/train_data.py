@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from vime.utils import ppo_utils
 from vime.utils.distributed import all_gather_1d
+from vime.utils.misc import load_function
 from vime.utils.types import Sample, Status
 
 GROUP_BASELINE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
@@ -50,17 +51,30 @@ def shape_rewards(args: argparse.Namespace, groups: list[list[Sample]]) -> list[
     """The training reward of every sample, flattened group by group (DESIGN.md §6).
 
     grpo / gspo / reinforce_plus_plus_baseline: ``r − mean(group)``, and for grpo/gspo ``/ (std + 1e-6)`` unless
-    ``--disable-grpo-std-normalization``; the statistics use the group's trainable samples only (a FAILED
-    sample has no meaningful reward). A group with fewer than two trainable samples has no baseline to compare
-    against, so its samples get 0. ppo / reinforce_plus_plus, or ``--disable-rewards-normalization``: the raw
-    reward. Untrainable samples get 0. Dict rewards are read with ``--reward-key``.
+    ``--disable-grpo-std-normalization``; the statistics leave FAILED samples out (they have no meaningful
+    reward) but keep samples a filter marked ``remove_sample`` (as slime: removal changes the loss, not the
+    baseline). A group with fewer than two rewarded samples has no baseline to compare against, so its samples
+    get 0. ppo / reinforce_plus_plus, or ``--disable-rewards-normalization``: the raw reward. FAILED samples get
+    0. Dict rewards are read with ``--reward-key``. ``--custom-reward-post-process-path`` replaces all of this:
+    ``fn(args, samples) -> (raw_rewards, rewards)`` over the flattened samples, as in slime.
     """
+    if getattr(args, "custom_reward_post_process_path", None):
+        post_process = load_function(
+            args.custom_reward_post_process_path, "--custom-reward-post-process-path"
+        )
+        samples = [s for group in groups for s in group]
+        _, rewards = post_process(args, samples)
+        if len(rewards) != len(samples):
+            raise ValueError(
+                f"--custom-reward-post-process-path returned {len(rewards)} rewards for {len(samples)} samples"
+            )
+        return [float(r) for r in rewards]
     grouped = args.advantage_estimator in GROUP_BASELINE_ESTIMATORS and args.rewards_normalization
     normalize_std = args.advantage_estimator in ("grpo", "gspo") and args.grpo_std_normalization
     shaped: list[float] = []
     for group in groups:
         out = [0.0] * len(group)
-        trainable = [i for i, s in enumerate(group) if is_trainable(s)]
+        trainable = [i for i, s in enumerate(group) if s.status != Status.FAILED]
         rewards = [group[i].reward_value(args.reward_key) for i in trainable]
         if grouped and len(trainable) >= 2:
             rewards = ppo_utils.normalize_group_rewards(
