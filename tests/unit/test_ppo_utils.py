@@ -57,6 +57,16 @@ def test_low_var_kl_clamps_where_k3_does_not():
     assert_values(compute_approx_kl(logp, ref, "low_var_kl"), [10.0])
 
 
+def test_unbiased_kl_weights_by_the_importance_ratio_before_the_clamp():
+    logp, ref = t([0.0, -1.0]), t([-0.5, 0.5])  # d = [0.5, -1.5]
+    ratio = t([2.0, 0.5])
+    assert_values(compute_approx_kl(logp, ref, "k1", ratio), [1.0, -0.75])
+    assert_values(compute_approx_kl(logp, ref, "k1", t([1.0, 1.0])), [0.5, -1.5])  # ratio 1: unchanged
+    # low_var_kl clamps the weighted value: 6 x (exp(1.5) - 2.5) = 11.9 becomes 10
+    k3 = math.exp(1.5) - 1 - 1.5
+    assert_values(compute_approx_kl(t([-1.0]), t([0.5]), "low_var_kl", t([6.0])), [min(6 * k3, 10.0)])
+
+
 def test_approx_kl_unknown_type_names_valid_ones():
     with pytest.raises(ValueError, match="low_var_kl"):
         compute_approx_kl(t([0.0]), t([0.0]), "k4")

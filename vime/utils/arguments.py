@@ -278,6 +278,12 @@ ALGORITHM = [
     ("--use-kl-loss", dict(action="store_true", help="Add KL(policy, ref) to the loss.")),
     ("--kl-loss-coef", dict(type=float, default=0.0, help="Weight of the KL loss.")),
     ("--kl-loss-type", dict(default="k1", choices=KL_TYPES, help="KL estimator for the KL loss.")),
+    (
+        "--use-unbiased-kl",
+        dict(
+            action="store_true", help="Weight the KL loss by pi/pi_old (unbiased under the sampling policy)."
+        ),
+    ),
     ("--entropy-coef", dict(type=float, default=0.0, help="Entropy bonus weight.")),
     ("--gamma", dict(type=float, default=1.0, help="Discount (ppo, reinforce++).")),
     ("--lambd", dict(type=float, default=1.0, help="GAE lambda (ppo).")),

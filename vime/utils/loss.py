@@ -88,7 +88,10 @@ def policy_loss(
         metrics["entropy"] = entropy_mean.detach()
     kl_loss = torch.zeros((), device=log_probs.device)
     if batch["ref_log_probs"] is not None:
-        kl_loss = reduce(ppo_utils.compute_approx_kl(log_probs, batch["ref_log_probs"], args.kl_loss_type))
+        ratio = torch.exp(log_probs - batch["old_log_probs"]) if args.use_unbiased_kl else None
+        kl_loss = reduce(
+            ppo_utils.compute_approx_kl(log_probs, batch["ref_log_probs"], args.kl_loss_type, ratio)
+        )
         if args.use_kl_loss:
             loss = loss + args.kl_loss_coef * kl_loss
     metrics["kl_loss"] = kl_loss.detach()

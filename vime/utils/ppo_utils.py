@@ -18,21 +18,29 @@ KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 # ---------------------------------------------------------------------------------------------- KL estimators
 def compute_approx_kl(
-    log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_loss_type: str
+    log_probs: torch.Tensor,
+    log_probs_base: torch.Tensor,
+    kl_loss_type: str,
+    importance_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token KL(π‖π_base) estimate (Schulman's k1/k2/k3) from ``d = log_probs − log_probs_base``, in fp32."""
+    """Per-token KL(π‖π_base) estimate (Schulman's k1/k2/k3) from ``d = log_probs − log_probs_base``, in fp32.
+    ``importance_ratio`` (π/π_old, ``--use-unbiased-kl``) reweights it to an unbiased estimate under the policy
+    that sampled the tokens (DeepSeek-V3.2), before ``low_var_kl``'s clamp."""
     d = log_probs.float() - log_probs_base.float()
     if kl_loss_type == "k1":
-        return d
-    if kl_loss_type == "k2":
-        return d.square() / 2
-    if kl_loss_type in ("k3", "low_var_kl"):
+        kl = d
+    elif kl_loss_type == "k2":
+        kl = d.square() / 2
+    elif kl_loss_type in ("k3", "low_var_kl"):
         kl = torch.expm1(-d) + d  # exp(−d) − 1 + d: unbiased and ≥ 0
-        # low_var_kl clamps because exp(−d) explodes when the policy drifts far below the reference.
-        return kl.clamp(-10, 10) if kl_loss_type == "low_var_kl" else kl
-    raise ValueError(
-        f"unknown kl_loss_type {kl_loss_type!r} (--kl-loss-type); expected one of {KL_LOSS_TYPES}"
-    )
+    else:
+        raise ValueError(
+            f"unknown kl_loss_type {kl_loss_type!r} (--kl-loss-type); expected one of {KL_LOSS_TYPES}"
+        )
+    if importance_ratio is not None:
+        kl = importance_ratio.float() * kl
+    # low_var_kl clamps because exp(−d) explodes when the policy drifts far below the reference.
+    return kl.clamp(-10, 10) if kl_loss_type == "low_var_kl" else kl
 
 
 # ------------------------------------------------------------------------------------------- reward shaping
