@@ -358,3 +358,19 @@ def test_a_distributed_backend_other_than_the_machines_is_refused(base_args):
     args.distributed_backend = "nccl"  # this CPU machine uses gloo
     with pytest.raises(ValueError, match="--distributed-backend nccl: vime uses gloo here"):
         init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
+
+
+def test_reset_optimizer_states_restarts_adams_step_count(base_args, tmp_path):
+    args = with_args(base_args, save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"))
+    samples = make_samples()
+    rewards = shape_rewards(args, groups_of(samples))
+    first = FSDPTrainer(args)
+    first.train(0, samples, rewards)
+    first.save(0, args.save)
+    steps = [float(s["step"]) for s in first.optimizer.state.values()]
+    assert steps and all(step == 1 for step in steps)
+    reset = FSDPTrainer(with_args(args, reset_optimizer_states=True))
+    assert reset.load() == 0
+    assert all(float(s["step"]) == 0 for s in reset.optimizer.state.values())
+    moments = [s["exp_avg"] for s in reset.optimizer.state.values()]
+    assert any(float(m.full_tensor().abs().sum()) > 0 for m in moments)  # the moments are kept

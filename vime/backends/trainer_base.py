@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from vime.utils.loss import make_reducer, policy_loss
 from vime.utils.misc import load_function
-from vime.utils.offload import GPUOffloader
+from vime.utils.offload import GPUOffloader, torch_optimizers
 from vime.utils.ppo_utils import apply_opd_kl
 from vime.utils.train_data import (
     PackedBatch,
@@ -108,6 +108,20 @@ class TrainerBase:
             self.advantage_fn = load_function(
                 args.custom_advantage_function_path, "--custom-advantage-function-path"
             )
+
+    def _reset_optimizer_steps(self) -> None:
+        """``--reset-optimizer-states`` (slime): after a load, Adam starts counting steps again (its bias
+        correction restarts); the moments are kept."""
+        for inner in torch_optimizers(self.optimizer):
+            for group in inner.param_groups:
+                if "step" in group:
+                    group["step"] = 0
+            for state in inner.state.values():
+                step = state.get("step")
+                if isinstance(step, torch.Tensor):
+                    step.zero_()
+                elif step is not None:
+                    state["step"] = 0
 
     def offload(self) -> dict[str, float]:
         """``--offload-train``: free the GPU memory of the weights (policy, reference, teacher), gradients and

@@ -276,6 +276,13 @@ ALGORITHM = [
     ("--eps-clip-c", dict(type=float, default=None, help="Dual-clip constant (> 1).")),
     ("--kl-coef", dict(type=float, default=0.0, help="KL penalty in the reward (ppo, reinforce++).")),
     ("--use-kl-loss", dict(action="store_true", help="Add KL(policy, ref) to the loss.")),
+    (
+        "--reset-optimizer-states",
+        dict(
+            action="store_true",
+            help="After --load, restart Adam's step count (bias correction); moments kept.",
+        ),
+    ),
     ("--kl-loss-coef", dict(type=float, default=0.0, help="Weight of the KL loss.")),
     ("--kl-loss-type", dict(default="k1", choices=KL_TYPES, help="KL estimator for the KL loss.")),
     (

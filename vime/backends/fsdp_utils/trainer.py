@@ -98,6 +98,8 @@ class FSDPTrainer(TrainerBase):
                 iter_dir, self.model, optimizer, self.scheduler, not args.no_load_rng
             )
             self.step = state["step"]
+            if args.reset_optimizer_states:
+                self._reset_optimizer_steps()
             return state["rollout_id"]
         if (
             self.role == "actor"

@@ -201,6 +201,8 @@ class MegatronTrainer(TrainerBase):
                 load_dir, step, self.module, optimizer, self.scheduler, load_rng=not args.no_load_rng
             )
             self.step = state["step"]
+            if args.reset_optimizer_states:
+                self._reset_optimizer_steps()
             return state["rollout_id"]
         if (
             self.role == "actor"
