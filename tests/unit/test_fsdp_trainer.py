@@ -374,3 +374,25 @@ def test_reset_optimizer_states_restarts_adams_step_count(base_args, tmp_path):
     assert all(float(s["step"]) == 0 for s in reset.optimizer.state.values())
     moments = [s["exp_avg"] for s in reset.optimizer.state.values()]
     assert any(float(m.full_tensor().abs().sum()) > 0 for m in moments)  # the moments are kept
+
+
+def test_ref_update_interval_copies_the_policy_into_the_reference(base_args):
+    args = with_args(base_args, use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2, ref_update_interval=2)
+    samples = make_samples()
+    rewards = shape_rewards(args, groups_of(samples))
+    trainer = FSDPTrainer(args)
+
+    def full(p):
+        return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+    initial = {n: full(p).clone() for n, p in trainer.ref_model.named_parameters()}
+
+    def ref_equals_policy() -> bool:
+        policy = dict(trainer.model.named_parameters())
+        return all(torch.equal(full(p), full(policy[n])) for n, p in trainer.ref_model.named_parameters())
+
+    trainer.train(0, samples, rewards)  # rollout 0: not yet (every 2 rollouts)
+    assert not ref_equals_policy()
+    assert all(torch.equal(full(p), initial[n]) for n, p in trainer.ref_model.named_parameters())
+    trainer.train(1, samples, rewards)
+    assert ref_equals_policy()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from vime.utils.loss import make_reducer, policy_loss
 from vime.utils.misc import load_function
@@ -82,7 +83,30 @@ class TrainerBase:
             data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
         metrics = self._optimize(rollout_id, samples, masks, data)
         metrics.update(extra)
+        interval = getattr(self.args, "ref_update_interval", None)
+        if (
+            self.role == "actor"
+            and self.ref_model is not None
+            and interval
+            and (rollout_id + 1) % interval == 0
+        ):
+            self._update_ref_model()
         return metrics
+
+    def _trained_module(self) -> torch.nn.Module:
+        """The policy's module whose parameter names match the reference model's."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _update_ref_model(self) -> None:
+        """``--ref-update-interval`` (slime): the reference model takes the policy's current weights."""
+        policy = dict(self._trained_module().named_parameters())
+        for name, param in self.ref_model.named_parameters():
+            source = policy[name]
+            if isinstance(param, DTensor):  # both sharded alike (FSDP2): copy this rank's shard
+                param.to_local().copy_(source.to_local())
+            else:
+                param.copy_(source.full_tensor() if isinstance(source, DTensor) else source)
 
     def _init_policy_models_and_hooks(
         self, build_frozen: Callable[[str], Any], is_actor: bool = True

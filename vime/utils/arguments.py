@@ -277,6 +277,10 @@ ALGORITHM = [
     ("--kl-coef", dict(type=float, default=0.0, help="KL penalty in the reward (ppo, reinforce++).")),
     ("--use-kl-loss", dict(action="store_true", help="Add KL(policy, ref) to the loss.")),
     (
+        "--ref-update-interval",
+        dict(type=int, default=None, help="Every N rollouts the reference model takes the policy's weights."),
+    ),
+    (
         "--reset-optimizer-states",
         dict(
             action="store_true",

@@ -118,6 +118,9 @@ class FSDPTrainer(TrainerBase):
         """Save an HF directory (weights in the training dtype, config, tokenizer of ``--hf-checkpoint``)."""
         checkpoint.export_hf(self.model, out_dir, self.args.hf_checkpoint, compute_dtype(self.args))
 
+    def _trained_module(self) -> nn.Module:
+        return self.model
+
     def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         models = [m for m in (self.model, self.ref_model, self.teacher_model) if m is not None]
         params = [p for m in models for p in m.parameters()]

@@ -227,6 +227,9 @@ class MegatronTrainer(TrainerBase):
         """Save an HF directory (safetensors in the training dtype, config and tokenizer of ``--hf-checkpoint``)."""
         checkpoint.export_hf(self.module, out_dir, self.args.hf_checkpoint, self.hf_vocab_size, self.dtype)
 
+    def _trained_module(self) -> torch.nn.Module:
+        return self.module
+
     def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         modules = [m for m in (self.module, self.ref_model, self.teacher_model) if m is not None]
         params = [p for m in modules for p in m.parameters()]
