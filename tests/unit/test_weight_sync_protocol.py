@@ -136,3 +136,30 @@ def test_written_files_load_back_equal_and_replace_old_ones(tmp_path):
     for name, tensor in weights.items():
         assert torch.equal(loaded[name], tensor) and loaded[name].dtype == tensor.dtype
     assert nbytes == sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def test_make_transport_builds_each_once_and_names_a_missing_directory(tmp_path):
+    from types import SimpleNamespace
+
+    from vime.backends.vllm_utils.weight_transports import (
+        DiskTransport,
+        DistributedTransport,
+        TensorTransport,
+    )
+
+    def args(transport, weight_dir=None):
+        return SimpleNamespace(update_weight_transport=transport, rollout_num_gpus_per_engine=2,
+                               update_weight_dir=weight_dir)  # fmt: skip
+
+    urls = ["http://e0", "http://e1"]
+    disk = weight_sync.make_transport(args("disk"), urls, tmp_path, rank=0)
+    assert (
+        isinstance(disk, DiskTransport)
+        and weight_sync.make_transport(args("disk"), urls, tmp_path, 0) is disk
+    )
+    nccl = weight_sync.make_transport(args("distributed"), urls, None, rank=0)
+    assert isinstance(nccl, DistributedTransport) and nccl.world_size == 1 + 2 * 2
+    ipc = weight_sync.make_transport(args("tensor"), urls, None, rank=0)
+    assert isinstance(ipc, TensorTransport) and ipc.num_workers == 4
+    with pytest.raises(ValueError, match="needs a shared directory: pass --update-weight-dir"):
+        weight_sync.make_transport(args("disk"), ["http://other"], None, rank=0)
