@@ -46,6 +46,29 @@ def gpu_memory_peak(stop: threading.Event, peak: list[int]) -> None:
             peak[0] = max(peak[0], *used)
 
 
+def run_steps(argv: list[str], work: Path) -> tuple[dict[str, float], list[dict], float, float]:
+    """Run ``train.py`` (``argv``, logging to ``work/logs``) and return the median of :data:`REPORTED` over its
+    steps after the first, those steps' metric records, the GPU memory peak (GiB) and the wall time (s)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
+    }
+    stop, peak = threading.Event(), [0]
+    poller = threading.Thread(target=gpu_memory_peak, args=(stop, peak), daemon=True)
+    poller.start()
+    started = time.monotonic()
+    try:
+        subprocess.run(argv, cwd=work, env=env, check=True)
+    finally:
+        stop.set()
+        poller.join()
+    wall = time.monotonic() - started
+    records = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "time/train_s" in r][1:] or [r for r in records if "time/train_s" in r]
+    figures = {k: statistics.median(r[k] for r in steps) for k in REPORTED if all(k in r for r in steps)}
+    return figures, steps, peak[0] / 1024, wall
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="4b")
@@ -81,23 +104,7 @@ def main() -> None:
         util = opts.gpu_memory_utilization or 0.85
         argv += ["--update-weight-transport", "distributed", "--vllm-gpu-memory-utilization", str(util)]
     argv += opts.extra
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
-    }
-    stop, peak = threading.Event(), [0]
-    poller = threading.Thread(target=gpu_memory_peak, args=(stop, peak), daemon=True)
-    poller.start()
-    started = time.monotonic()
-    try:
-        subprocess.run(argv, cwd=work, env=env, check=True)
-    finally:
-        stop.set()
-        poller.join()
-    wall = time.monotonic() - started
-    records = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "time/train_s" in r][1:] or [r for r in records if "time/train_s" in r]
-    figures = {k: statistics.median(r[k] for r in steps) for k in REPORTED if all(k in r for r in steps)}
+    figures, steps, peak_gib, wall = run_steps(argv, work)
     step_s = figures["time/rollout_s"] + figures["time/train_s"] + figures["time/sync_s"]
     tokens = samples * opts.response_len
     params = matmul_params(model_dir)
@@ -125,12 +132,12 @@ def main() -> None:
             "step_s": step_s,
             "generated_tok_per_s": tokens / figures["time/rollout_s"],
             "train_mfu": mfu,
-            "gpu_memory_peak_gib": peak[0] / 1024,
+            "gpu_memory_peak_gib": peak_gib,
             "wall_s": wall,
             "median_of_steps": figures,
             "summary": f"{name}: step {step_s:.1f} s = rollout {figures['time/rollout_s']:.1f} + train "
             f"{figures['time/train_s']:.1f} + sync {figures['time/sync_s']:.2f}; {tokens / figures['time/rollout_s']:,.0f} "
-            f"generated tok/s, train MFU {mfu:.0%}, GPU peak {peak[0] / 1024:.0f} GiB",
+            f"generated tok/s, train MFU {mfu:.0%}, GPU peak {peak_gib:.0f} GiB",
         },
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,21 @@ SHAPES: dict[str, dict[str, int]] = {
                  intermediate_size=3072),
     "4b": dict(num_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                intermediate_size=9728),
-    # Qwen3-30B-A3B's layer (scripts/models/qwen3-30B-A3B.sh) with 4 of its 48 layers
-    "30b-a3b-4l": dict(num_layers=4, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                       intermediate_size=6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
 }  # fmt: skip
+# Qwen3-30B-A3B's layer (slime's scripts/models/qwen3-30B-A3B.sh); shape "30b-a3b-<N>l" has N of its 48 layers
+QWEN3_30B_A3B_LAYER = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                           intermediate_size=6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)  # fmt: skip
+MOE_SHAPE = re.compile(r"30b-a3b-(\d+)l")
+
+
+def shape_flags(shape: str) -> dict[str, int]:
+    """make_tiny_model keyword arguments of ``shape`` (a key of :data:`SHAPES` or ``30b-a3b-<N>l``)."""
+    if moe := MOE_SHAPE.fullmatch(shape):
+        return dict(num_layers=int(moe.group(1)), **QWEN3_30B_A3B_LAYER)
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}: one of {sorted(SHAPES)} or 30b-a3b-<N>l")
+    return SHAPES[shape]
+
 
 # dense bf16 tensor-core peak by the vendor's datasheet (H100 SXM and H200 share it), for MFU
 PEAK_BF16_FLOPS = 989e12
@@ -38,7 +50,7 @@ def build_shape(shape: str, dtype: str = "bfloat16", max_position_embeddings: in
         return out
     started = time.monotonic()
     build_tiny_model(
-        out, seed=0, dtype=dtype, max_position_embeddings=max_position_embeddings, **SHAPES[shape]
+        out, seed=0, dtype=dtype, max_position_embeddings=max_position_embeddings, **shape_flags(shape)
     )
     print(f"[bench] built {shape} ({dtype}) in {time.monotonic() - started:.0f} s -> {out}", flush=True)
     return out
@@ -55,7 +67,11 @@ def trainer_flags(backend: str, model_dir: Path) -> list[str]:
 
 
 def matmul_params(model_dir: Path) -> int:
-    """Parameters that take part in matrix products per token: all but the input embedding table."""
+    """Parameters that take part in matrix products per token: all but the input embedding table, and of a MoE's
+    routed experts only the ``num_experts_per_tok`` of ``num_experts`` each token goes to."""
+    config = json.loads((model_dir / "config.json").read_text())
+    experts = config.get("num_experts") or config.get("num_local_experts") or 1
+    expert_share = config.get("num_experts_per_tok", 1) / experts
     from safetensors import safe_open
 
     total = 0
@@ -67,8 +83,8 @@ def matmul_params(model_dir: Path) -> int:
                     n = 1
                     for size in shape:
                         n *= size
-                    total += n
-    return total
+                    total += n * expert_share if ".experts." in name else n
+    return int(total)
 
 
 def gpu_name() -> str:

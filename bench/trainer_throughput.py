@@ -104,9 +104,23 @@ def main() -> None:
         from vime.backends.megatron_utils.trainer import MegatronTrainer as Trainer
     else:
         from vime.backends.fsdp_utils.trainer import FSDPTrainer as Trainer
+    config = (
+        f"{opts.backend}_{opts.shape}_{world}gpu_recompute-{opts.recompute}_mtpg{opts.max_tokens_per_gpu}"
+    )
+    out_path = opts.out or f"bench/results/trainer_{config}.json"
     started = time.monotonic()
-    trainer = Trainer(args)
+    try:
+        trainer = Trainer(args)
+    except MemoryError as e:  # the memory plan refused the micro-batch before any step
+        if rank == 0:
+            print(f"[bench] {config}: refused before the first step: {e}", flush=True)
+            write_result(out_path, {"benchmark": "trainer_throughput", "config": config, "refused": str(e),
+                                    "build_s": time.monotonic() - started, "summary": f"{config}: refused"})  # fmt: skip
+        torch.distributed.destroy_process_group()
+        return
     build_s = time.monotonic() - started
+    plan = trainer.memory_plan
+    predicted_gib = plan.predicted_peak_bytes / 2**30 if plan else None
     samples = synthetic_samples(opts, 61)
     groups = [samples[i : i + opts.n_samples] for i in range(0, len(samples), opts.n_samples)]
     rewards = shape_rewards(args, groups)
@@ -152,11 +166,8 @@ def main() -> None:
             name = f"profile_{opts.backend}_{opts.shape}_{opts.recompute}_{world}gpu.txt"
             (out_dir / name).write_text(prof_text)
             print(prof_text[:6000])
-        config = (
-            f"{opts.backend}_{opts.shape}_{world}gpu_recompute-{opts.recompute}_mtpg{opts.max_tokens_per_gpu}"
-        )
         write_result(
-            opts.out or f"bench/results/trainer_{config}.json",
+            out_path,
             {
                 "benchmark": "trainer_throughput",
                 "workload": {
@@ -178,9 +189,10 @@ def main() -> None:
                 "tokens_per_s": tokens / total_s,
                 "mfu": mfu,
                 "peak_memory_gib": peak_gib,
+                "predicted_peak_memory_gib": predicted_gib,
                 "runs": timings,
                 "summary": f"{config}: {total_s:.2f} s/step (log-probs {log_prob_s:.2f} + train {train_s:.2f}), "
-                f"{tokens / total_s:,.0f} tok/s, MFU {mfu:.1%}, peak {peak_gib:.1f} GiB",
+                f"{tokens / total_s:,.0f} tok/s, MFU {mfu:.1%}, peak {peak_gib:.1f} GiB (predicted {predicted_gib})",
             },
         )
     torch.distributed.destroy_process_group()

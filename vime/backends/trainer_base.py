@@ -18,6 +18,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from vime.utils.loss import make_reducer, policy_loss
+from vime.utils.memory_plan import (
+    GIB,
+    MemoryPlan,
+    MemoryProbe,
+    plan_memory,
+    planned_micro_batch_tokens,
+    unallocated_optimizer_state_bytes,
+)
 from vime.utils.misc import load_function
 from vime.utils.offload import GPUOffloader, torch_optimizers
 from vime.utils.ppo_utils import apply_opd_kl
@@ -47,6 +55,19 @@ def rollout_log_probs_of(samples: list[Sample]) -> PerSample | None:
                 f"response_length={s.response_length}"
             )
     return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
+
+
+def _synthetic_samples(total_tokens: int, sample_tokens: int) -> list[Sample]:
+    """Samples of ``sample_tokens`` tokens (the last one shorter) totalling ``total_tokens``, each a one-token
+    prompt and a response (every position goes through the LM head, the worst case for memory)."""
+    generator = torch.Generator().manual_seed(0)
+    samples = []
+    while total_tokens >= 2:
+        length = min(sample_tokens, total_tokens)
+        tokens = torch.randint(0, 100, (length,), generator=generator).tolist()
+        samples.append(Sample(index=len(samples), tokens=tokens, response_length=length - 1))
+        total_tokens -= length
+    return samples
 
 
 class TrainerBase:
@@ -146,6 +167,71 @@ class TrainerBase:
                     step.zero_()
                 elif step is not None:
                     state["step"] = 0
+
+    def check_memory_plan(self) -> MemoryPlan | None:
+        """Before the first step (CUDA only): predict the peak memory of the largest micro-batch the plan allows
+        from two smaller synthetic forward/backward passes (:mod:`vime.utils.memory_plan`) and fail now, on every
+        rank, with the numbers and the flags to change when it cannot fit. Collective."""
+        tokens = planned_micro_batch_tokens(self.args, self._micro_batch_token_budget())
+        if not torch.cuda.is_available() or tokens is None or tokens < 64:
+            return None
+        resident = torch.cuda.memory_allocated()
+        free, _ = torch.cuda.mem_get_info()
+        available = free + torch.cuda.memory_reserved()
+        probes = []
+        for size in (
+            min(tokens // 4, 2048),
+            min(tokens // 2, 4096),
+        ):  # small: a probe must not run out itself
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                self._memory_probe(_synthetic_samples(size, self._longest_sample(size)))
+            except torch.OutOfMemoryError as e:
+                raise MemoryError(
+                    f"the {self.role}'s memory check ran out of GPU memory on a micro-batch of only {size} tokens "
+                    f"({available / GIB:.1f} GiB usable): the model does not fit this GPU as configured; "
+                    "spread it over more GPUs (tensor, pipeline or expert parallelism)"
+                ) from e
+            probes.append(MemoryProbe(size, torch.cuda.max_memory_allocated()))
+        torch.cuda.empty_cache()
+        missing = unallocated_optimizer_state_bytes(torch_optimizers(self.optimizer))
+        plan = plan_memory(*probes, tokens, resident, missing, available)
+        any_over = self._world_max([0 if plan.fits else 1])[0]
+        if plan.fits and not any_over:
+            if plan.predicted_peak_bytes > 0.9 * available:
+                print(f"[vime] warning: tight GPU memory: {plan.summary()}", flush=True)
+            return plan
+        if plan.fits:
+            raise MemoryError("another training rank's micro-batch plan does not fit in its GPU memory")
+        args = self.args
+        fix = "--gradient-checkpointing" if args.train_backend == "fsdp" else "--recompute-granularity full"
+        if args.use_dynamic_batch_size:  # the budget may be --max-tokens-per-gpu x CP
+            lower = f"--max-tokens-per-gpu {plan.max_fitting_tokens * args.max_tokens_per_gpu // tokens}"
+        else:
+            lower = f"--micro-batch-size {plan.max_fitting_tokens * args.micro_batch_size // tokens}"
+        raise MemoryError(
+            f"the {self.role}'s {plan.summary()}. Set {lower} or lower, turn on {fix}, or spread the model "
+            f"over more GPUs (this process can use {available / GIB:.1f} GiB of this GPU)"
+        )
+
+    def _longest_sample(self, tokens: int) -> int:
+        """Length of the synthetic samples a memory probe packs: the longest sample the run can produce."""
+        args = self.args
+        longest = (
+            args.rollout_max_context_len or (args.rollout_max_prompt_len or 0) + args.rollout_max_response_len
+        )
+        return max(min(longest, tokens), 2)
+
+    def _world_max(self, values: list[int]) -> list[int]:
+        """Element-wise maximum over every rank of this trainer."""
+        tensor = torch.tensor(values, dtype=torch.int64, device="cuda")
+        if dist.is_initialized():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    def _memory_probe(self, samples: list[Sample]) -> None:
+        """One forward/backward of ``samples`` packed into one micro-batch, gradients then cleared (no step)."""
+        raise NotImplementedError
 
     def offload(self) -> dict[str, float]:
         """``--offload-train``: free the GPU memory of the weights (policy, reference, teacher), gradients and

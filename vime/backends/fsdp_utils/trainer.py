@@ -64,6 +64,7 @@ class FSDPTrainer(TrainerBase):
         self.scheduler = build_lr_scheduler(args, self.optimizer, lr)
         self.step = 0  # optimizer steps taken
         self._init_policy_models_and_hooks(self._frozen_model, is_actor=role == "actor")
+        self.memory_plan = self.check_memory_plan()
 
     def _frozen_model(self, path: str) -> nn.Module:
         is_checkpoint = checkpoint.latest_iteration(path) is not None
@@ -164,6 +165,19 @@ class FSDPTrainer(TrainerBase):
     # ------------------------------------------------------------------------------------------------ train
     def _reduce_sum(self, values: list[float]) -> list[float]:
         return all_reduce_sum(values)
+
+    def _memory_probe(self, samples: list[Sample]) -> None:
+        packed = pack_samples(samples)
+        if self.role == "critic":
+            loss = forward_values(self.model, packed, self.device).sum()
+        else:
+            entropy_grad = bool(self.args.entropy_coef) or self.loss_fn is not policy_loss
+            log_probs, entropy = forward_log_probs(
+                self.model, packed, self.args.rollout_temperature, self.device, True, entropy_grad
+            )
+            loss = log_probs.sum() + (entropy.sum() if entropy_grad else 0.0)
+        (loss * 0.0).backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _train_step(
         self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]

@@ -139,6 +139,7 @@ class MegatronTrainer(TrainerBase):
             getattr(args, "custom_megatron_before_train_step_hook_path", None),
             "--custom-megatron-before-train-step-hook-path",
         )
+        self.memory_plan = self.check_memory_plan()
 
     # ------------------------------------------------------------------------------------------------ build
     def _load_module(self, path: str, role: str | None = None):
@@ -388,6 +389,20 @@ class MegatronTrainer(TrainerBase):
         src = parallel_state.get_pipeline_model_parallel_last_rank()
         dist.broadcast_object_list(payload, src=src, group=parallel_state.get_pipeline_model_parallel_group())
         return payload[0]
+
+    def _memory_probe(self, samples: list[Sample]) -> None:
+        entropy_grad = bool(self.args.entropy_coef) or self.loss_fn is not policy_loss
+
+        def loss_func(mb, output):
+            per_token, entropy = self._token_outputs(mb, output, self.role == "actor", entropy_grad)
+            loss = per_token.sum() + (entropy.sum() if entropy is not None and entropy_grad else 0.0)
+            return loss * 0.0, torch.tensor(1, dtype=torch.int, device="cuda"), {}
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        mb = self._model_batch(pack_samples(samples), indices=list(range(len(samples))))
+        self._run_schedule(self.model, [mb], loss_func, forward_only=False)
+        self.model.zero_grad_buffer()
 
     # ------------------------------------------------------------------------------------------------ train
     def _reduce_sum(self, values: list[float]) -> list[float]:

@@ -1,0 +1,109 @@
+"""Will the planned micro-batch fit on the GPU? Checked before the first step, not found out by a CUDA OOM.
+
+A trainer measures the peak memory of a forward/backward pass on two synthetic micro-batches smaller than the
+planned one (:class:`MemoryProbe`). Activation memory grows linearly with the tokens of a packed micro-batch
+(varlen flash attention keeps no ``tokens²`` scores), so the line through the two peaks, plus the optimizer state
+that is only created at the first step, predicts the peak of the planned micro-batch (:func:`plan_memory`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """The peak GPU memory allocated during the forward/backward of a micro-batch of ``tokens`` tokens."""
+
+    tokens: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The predicted peak of a micro-batch of ``tokens`` tokens against the GPU memory this process can use."""
+
+    tokens: int
+    predicted_peak_bytes: int
+    resident_bytes: int  # allocated before the probes: weights, gradient buffers, optimizer state so far
+    optimizer_state_bytes: int  # optimizer state not allocated yet (created by the first step)
+    available_bytes: int
+    max_fitting_tokens: int
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted_peak_bytes <= self.available_bytes
+
+    def summary(self) -> str:
+        return (
+            f"micro-batch of {self.tokens} tokens: predicted peak {self.predicted_peak_bytes / GIB:.1f} GiB "
+            f"(weights/gradients/optimizer {(self.resident_bytes + self.optimizer_state_bytes) / GIB:.1f} GiB, "
+            f"activations {self.activation_bytes / GIB:.1f} GiB) of {self.available_bytes / GIB:.1f} GiB "
+            f"available; up to about {self.max_fitting_tokens} tokens fit"
+        )
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.predicted_peak_bytes - self.resident_bytes - self.optimizer_state_bytes
+
+
+def plan_memory(
+    small: MemoryProbe,
+    large: MemoryProbe,
+    tokens: int,
+    resident_bytes: int,
+    optimizer_state_bytes: int,
+    available_bytes: int,
+) -> MemoryPlan:
+    """Extrapolate the two probes' peaks to a micro-batch of ``tokens`` tokens and add the optimizer state the
+    first step will allocate. ``max_fitting_tokens`` is where the same line meets ``available_bytes``."""
+    if large.tokens <= small.tokens:
+        raise ValueError(f"probes need two sizes, got {small.tokens} and {large.tokens} tokens")
+    per_token = max(large.peak_bytes - small.peak_bytes, 0) / (large.tokens - small.tokens)
+    at_small = small.peak_bytes + optimizer_state_bytes
+    predicted = at_small + per_token * (tokens - small.tokens)
+    room = available_bytes - at_small
+    if per_token > 0:
+        max_tokens = small.tokens + room / per_token
+    else:
+        max_tokens = tokens if room >= 0 else 0
+    return MemoryPlan(
+        tokens=tokens,
+        predicted_peak_bytes=int(predicted),
+        resident_bytes=resident_bytes,
+        optimizer_state_bytes=optimizer_state_bytes,
+        available_bytes=available_bytes,
+        max_fitting_tokens=max(int(max_tokens), 0),
+    )
+
+
+def unallocated_optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of optimizer state the first step will create: two moments per parameter for Adam-like optimizers
+    (``betas``), one for SGD with momentum, for every parameter that has no state yet (local shards for DTensors)."""
+    total = 0
+    for inner in optimizers:
+        per_param = 2 if "betas" in inner.defaults else 1 if inner.defaults.get("momentum") else 0
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if inner.state.get(param):
+                    continue
+                local = param.to_local() if isinstance(param, DTensor) else param
+                total += per_param * local.numel() * local.element_size()
+    return total
+
+
+def planned_micro_batch_tokens(args, token_budget: int | None) -> int | None:
+    """The most tokens one packed micro-batch can hold: ``token_budget`` (``--max-tokens-per-gpu``) with
+    ``--use-dynamic-batch-size``, else ``--micro-batch-size`` samples of the longest possible sample (None when
+    the prompt length is unbounded)."""
+    if args.use_dynamic_batch_size:
+        return token_budget
+    longest = args.rollout_max_context_len
+    if longest is None and args.rollout_max_prompt_len is not None:
+        longest = args.rollout_max_prompt_len + args.rollout_max_response_len
+    return args.micro_batch_size * longest if longest else None
