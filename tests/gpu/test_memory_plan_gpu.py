@@ -50,13 +50,14 @@ def test_memory_plan_predicts_the_step_peak_and_refuses_what_cannot_fit(backend,
     plan = trainer.memory_plan
     assert plan is not None and plan.fits and plan.tokens == 8192
     g = torch.Generator().manual_seed(0)
-    samples = [  # 8 samples of 1025 tokens: two full micro-batches of ~8192 tokens
-        Sample(index=i, tokens=torch.randint(4, 61, (1025,), generator=g).tolist(), response_length=1024,
+    samples = [  # 8 samples of 1024 tokens: one micro-batch of exactly the 8192-token budget
+        Sample(index=i, tokens=torch.randint(4, 61, (1024,), generator=g).tolist(), response_length=1023,
                reward=float(i % 2), status=Status.COMPLETED)
         for i in range(8)
     ]  # fmt: skip
+    trainer.train(0, samples, [1.0, -1.0] * 4)  # creates the optimizer state the plan accounts for
     torch.cuda.reset_peak_memory_stats()
-    trainer.train(0, samples, [1.0, -1.0] * 4)
+    trainer.train(1, samples, [1.0, -1.0] * 4)
     measured = torch.cuda.max_memory_allocated()
     print(
         f"{backend}: predicted {plan.predicted_peak_bytes / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB"

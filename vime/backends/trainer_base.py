@@ -64,7 +64,7 @@ def _synthetic_samples(total_tokens: int, sample_tokens: int) -> list[Sample]:
     samples = []
     while total_tokens >= 2:
         length = min(sample_tokens, total_tokens)
-        tokens = torch.randint(0, 100, (length,), generator=generator).tolist()
+        tokens = torch.randint(0, 32, (length,), generator=generator).tolist()  # in any vocabulary
         samples.append(Sample(index=len(samples), tokens=tokens, response_length=length - 1))
         total_tokens -= length
     return samples
@@ -198,8 +198,8 @@ class TrainerBase:
         plan = plan_memory(*probes, tokens, resident, missing, available)
         any_over = self._world_max([0 if plan.fits else 1])[0]
         if plan.fits and not any_over:
-            if plan.predicted_peak_bytes > 0.9 * available:
-                print(f"[vime] warning: tight GPU memory: {plan.summary()}", flush=True)
+            tight = "warning: tight, " if plan.predicted_peak_bytes > 0.9 * available else ""
+            print(f"[vime] {self.role} memory plan: {tight}{plan.summary()}", flush=True)
             return plan
         if plan.fits:
             raise MemoryError("another training rank's micro-batch plan does not fit in its GPU memory")

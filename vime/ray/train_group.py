@@ -83,10 +83,13 @@ class RayTrainGroup:
         self.args = args
         world_size = len(bundles.indices)
         master_addr, master_port = ray.util.get_node_ip_address(), free_port()
+        # expandable segments: packed micro-batches of varying sizes otherwise fragment the caching allocator
+        allocator_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.actors = [
             TrainRayActor.options(
                 num_cpus=1 if bundles.resource == "CPU" else 0,
                 num_gpus=1 if bundles.resource == "GPU" else 0,
+                runtime_env={"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": allocator_conf}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=bundles.group, placement_group_bundle_index=index
                 ),
