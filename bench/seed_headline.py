@@ -58,6 +58,8 @@ def slime_argv(opts, model_dir: Path, work: Path) -> list[str]:
     ]  # fmt: skip
     if tp > 1:
         argv.append("--sequence-parallel")
+    if opts.grouped_gemm:
+        argv.append("--moe-grouped-gemm")
     if not opts.cuda_graphs:
         argv.append("--vllm-enforce-eager")
     return argv + opts.extra
@@ -73,6 +75,7 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.7)
     p.add_argument("--steps", type=int, default=3, help="GRPO steps; the first is warm-up")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--grouped-gemm", action=argparse.BooleanOptionalAction, default=True, help="--moe-grouped-gemm")
     p.add_argument("--out", default=None)
     p.add_argument("extra", nargs="*", help="more train.py flags, after --")
     opts = p.parse_args()
@@ -92,7 +95,7 @@ def main() -> None:
         else None
     )
     step_s = figures["time/rollout_s"] + figures["time/train_s"] + figures["time/sync_s"]
-    name = f"seed_headline_{shape}_{opts.gpus}gpu"
+    name = f"seed_headline_{shape}_{opts.gpus}gpu" + ("" if opts.grouped_gemm else "_sequential-experts")
     write_result(
         opts.out or f"bench/results/{name}.json",
         {

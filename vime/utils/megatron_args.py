@@ -104,7 +104,14 @@ _MOE = [
     ("--moe-router-load-balancing-type", dict(default="aux_loss", help="Load-balancing type.")),
     ("--moe-aux-loss-coeff", dict(type=float, default=0.0, help="Aux loss coefficient.")),
     ("--moe-layer-freq", dict(default="1", help="MoE layer pattern, e.g. '([0]*1+[1]*45)'.")),
-    ("--moe-grouped-gemm", dict(action="store_true", help="Grouped GEMM for experts.")),
+    (
+        "--moe-grouped-gemm",
+        dict(
+            action="store_true",
+            help="All local experts in two grouped GEMMs (torch grouped_mm, no TransformerEngine) in CUDA bf16 "
+            "with expert TP 1; otherwise the experts run one by one.",
+        ),
+    ),
     (
         "--moe-token-dispatcher-type",
         dict(default="allgather", choices=["allgather", "alltoall", "flex"], help="Token dispatcher."),

@@ -22,6 +22,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vime.backends.megatron_utils.grouped_experts import GroupedGemmExperts, check_grouped_gemm_config
 from vime.backends.megatron_utils.hf_mapping import padded_vocab_size
 from vime.backends.megatron_utils.packed_layout import PackedLayout
 from vime.utils.varlen_attention import packed_causal_attention
@@ -175,7 +176,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_layer_freq=_moe_layer_freq(args.moe_layer_freq),
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_grouped_gemm=False,  # grouped GEMM needs TransformerEngine
+            moe_grouped_gemm=False,  # Megatron's needs TransformerEngine; --moe-grouped-gemm: GroupedGemmExperts
             moe_permute_fusion=False,
         )
     return TransformerConfig(
@@ -235,7 +236,12 @@ def build_gpt_model(
     config = config or transformer_config(args)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     spec.layer_norm = RMSNorm
+    if getattr(args, "moe_grouped_gemm", False) and args.num_experts:
+        check_grouped_gemm_config(config)
     for layer in spec.layer_specs:
+        experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
+        if experts is not None and getattr(args, "moe_grouped_gemm", False):
+            experts.module = GroupedGemmExperts
         attention = layer.submodules.self_attention.submodules
         attention.core_attention = PackedCoreAttention
         if attention.q_layernorm is not IdentityOp:  # Qwen3's per-head q/k norms
