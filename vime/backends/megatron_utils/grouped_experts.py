@@ -10,10 +10,13 @@ parallelism; checked per forward) it runs ``SequentialMLP``'s loop.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -76,3 +79,16 @@ class GroupedGemmExperts(SequentialMLP):
         else:
             x = config.activation_func(x)
         return (x * probs.unsqueeze(-1)).to(x.dtype)
+
+
+def use_grouped_experts(mlp_spec) -> None:
+    """Make a layer's MoE spec (a ``ModuleSpec`` or a ``partial`` of ``MoELayer``) build
+    :class:`GroupedGemmExperts` where it would build ``SequentialMLP``; a dense MLP spec is left alone."""
+    submodules = getattr(mlp_spec, "submodules", None)
+    if submodules is None and isinstance(mlp_spec, partial):
+        submodules = mlp_spec.keywords.get("submodules")
+    experts = getattr(submodules, "experts", None)
+    if isinstance(experts, partial) and experts.func is SequentialMLP:
+        submodules.experts = partial(GroupedGemmExperts, *experts.args, **experts.keywords)
+    elif isinstance(experts, ModuleSpec) and experts.module is SequentialMLP:
+        experts.module = GroupedGemmExperts

@@ -22,7 +22,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from vime.backends.megatron_utils.grouped_experts import GroupedGemmExperts, check_grouped_gemm_config
+from vime.backends.megatron_utils.grouped_experts import check_grouped_gemm_config, use_grouped_experts
 from vime.backends.megatron_utils.hf_mapping import padded_vocab_size
 from vime.backends.megatron_utils.packed_layout import PackedLayout
 from vime.utils.varlen_attention import packed_causal_attention
@@ -239,9 +239,8 @@ def build_gpt_model(
     if getattr(args, "moe_grouped_gemm", False) and args.num_experts:
         check_grouped_gemm_config(config)
     for layer in spec.layer_specs:
-        experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
-        if experts is not None and getattr(args, "moe_grouped_gemm", False):
-            experts.module = GroupedGemmExperts
+        if getattr(args, "moe_grouped_gemm", False):
+            use_grouped_experts(layer.submodules.mlp)
         attention = layer.submodules.self_attention.submodules
         attention.core_attention = PackedCoreAttention
         if attention.q_layernorm is not IdentityOp:  # Qwen3's per-head q/k norms
