@@ -207,10 +207,28 @@ def _error_of(argv: list[str], capsys) -> str:
             ["--debug-train-only", "--debug-rollout-only", "--load-debug-rollout-data", "r{rollout_id}.json"],
             "--debug-train-only and --debug-rollout-only both set",
         ),
+        (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path"),
+        (["--loss-type", "sft_loss", "--use-kl-loss"], "--use-kl-loss would not take effect"),
+        (
+            ["--loss-type", "sft_loss", "--rollout-max-prompt-len", "9"],
+            "--rollout-max-prompt-len (SFT conversations are tokenized whole",
+        ),
+        (["--loss-type", "sft_loss", "--custom-loss-function-path", "m.f"], "pick one"),
     ],
 )
 def test_parse_time_validation_names_the_flag(extra, expected, capsys):
     assert expected in _error_of(BASE + extra, capsys)
+
+
+def test_sft_runs_without_engines_and_takes_epochs():
+    argv = [t if t != "4" else "1" for t in BASE if t not in ("--num-rollout", "3")]
+    args = parse_args(
+        [*argv, "--num-epoch", "2", "--debug-train-only", "--loss-type", "sft_loss",
+         "--rollout-function-path", "vime.rollout.sft_rollout.generate_rollout",
+         "--disable-compute-advantages-and-returns"]
+    )  # fmt: skip
+    assert args.loss_type == "sft_loss" and args.compute_advantages_and_returns is False
+    assert args.debug_train_only and args.num_epoch == 2
 
 
 def test_required_flags_are_named(capsys):

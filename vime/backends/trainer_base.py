@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from vime.utils.loss import make_reducer, policy_loss
+from vime.utils.loss import make_reducer, policy_loss, sft_loss
 from vime.utils.memory_plan import (
     GIB,
     MemoryPlan,
@@ -145,7 +145,7 @@ class TrainerBase:
                     "--opd-kl-coef needs --opd-teacher-load (HF dir or vime checkpoint of the teacher)"
                 )
             self.teacher_model = build_frozen(args.opd_teacher_load)
-        self.loss_fn: Callable = policy_loss
+        self.loss_fn: Callable = sft_loss if args.loss_type == "sft_loss" else policy_loss
         if args.custom_loss_function_path:
             self.loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
         self.advantage_fn: Callable | None = None
@@ -153,6 +153,10 @@ class TrainerBase:
             self.advantage_fn = load_function(
                 args.custom_advantage_function_path, "--custom-advantage-function-path"
             )
+
+    def _entropy_needs_grad(self) -> bool:
+        """Whether the loss differentiates the entropy: ``--entropy-coef``, or a custom loss (it may)."""
+        return bool(self.args.entropy_coef) or self.loss_fn not in (policy_loss, sft_loss)
 
     def _reset_optimizer_steps(self) -> None:
         """``--reset-optimizer-states`` (slime): after a load, Adam starts counting steps again (its bias
@@ -363,6 +367,10 @@ class TrainerBase:
     ) -> tuple[dict[str, PerSample | None], dict[str, float]]:
         """The policy loss's per-sample inputs, and the train-vs-rollout log-prob difference as a metric."""
         args = self.args
+        if (
+            self.loss_fn is sft_loss
+        ):  # the negative log-likelihood needs no old policy, reference or advantages
+            return dict.fromkeys(["advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs"]), {}
         rollout_log_probs = rollout_log_probs_of(samples)
         if log_probs is None and args.use_rollout_logprobs:
             if rollout_log_probs is None:
@@ -372,9 +380,12 @@ class TrainerBase:
             log_probs = self.compute_log_probs(samples)
         if ref_log_probs is None and self.ref_model is not None:
             ref_log_probs = self.compute_log_probs(samples, "ref")
-        advantages, _ = self._advantages_and_returns(
-            samples, rewards, masks, log_probs, ref_log_probs, values
-        )
+        if args.compute_advantages_and_returns:
+            advantages, _ = self._advantages_and_returns(
+                samples, rewards, masks, log_probs, ref_log_probs, values
+            )
+        else:  # --disable-compute-advantages-and-returns: for losses that do not use them
+            advantages = [torch.zeros_like(m) for m in masks]
         if self.teacher_model is not None:
             teacher = self.compute_log_probs(samples, "teacher")
             advantages = [

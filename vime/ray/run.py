@@ -119,20 +119,22 @@ class Run:
         return self.actor.offload() if self.actor is not None else {}
 
     def save(self, rollout_id: int) -> None:
-        """Checkpoint the actor, the critic (``--critic-save``) and the data buffer at ``rollout_id``; with
-        ``--save-hf`` also export the actor as a Hugging Face directory."""
+        """Checkpoint the actor, the critic (``--critic-save``) and the data buffer at ``rollout_id`` (``--save``);
+        with ``--save-hf`` export the actor as a Hugging Face directory (with or without ``--save``)."""
         if self.actor is not None:
-            self.actor.save(rollout_id, self.args.save)
+            if self.args.save:
+                self.actor.save(rollout_id, self.args.save)
             if self.args.save_hf:
                 self.actor.export_hf(self.args.save_hf.format(rollout_id=rollout_id))
         if self.critic is not None and self.args.critic_save:
             self.critic.save(rollout_id, self.args.critic_save)
-        ray.get(self.manager.save.remote(rollout_id, self.args.save))
+        if self.args.save:
+            ray.get(self.manager.save.remote(rollout_id, self.args.save))
 
     def should_save(self, rollout_id: int) -> bool:
         args = self.args
         is_last = rollout_id + 1 == args.num_rollout
-        return bool(args.save) and (
+        return bool(args.save or args.save_hf) and (
             is_last or bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
         )
 

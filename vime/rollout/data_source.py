@@ -46,6 +46,7 @@ class RolloutDataSource:
                 apply_chat_template=args.apply_chat_template,
                 chat_template_kwargs=args.apply_chat_template_kwargs,
                 max_prompt_len=args.rollout_max_prompt_len,
+                keep_messages=getattr(args, "loss_type", "policy_loss") == "sft_loss",
             )
         self.dataset = dataset
         self.epoch_id = 0  # completed passes over the dataset = the epoch the next prompt comes from

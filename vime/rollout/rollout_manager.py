@@ -62,8 +62,9 @@ class RolloutManager:
         return self.args.rollout_num_gpus // self.args.rollout_num_gpus_per_engine
 
     def start(self) -> None:
-        """Launch every engine (concurrently), then the router (or connect to an external one)."""
-        if self.args.load_debug_rollout_data:
+        """Launch every engine (concurrently), then the router (or connect to an external one); none with
+        ``--debug-train-only``."""
+        if self.args.load_debug_rollout_data or self.args.debug_train_only:
             return
         if self.engine_gpus is not None and len(self.engine_gpus) != self.num_engines:
             raise ValueError(f"{len(self.engine_gpus)} GPU sets for {self.num_engines} engines")

@@ -35,6 +35,7 @@ def finalize_args(args: argparse.Namespace) -> None:
     args.eval_reward_key = args.eval_reward_key or args.reward_key
     _check_sampling(args)
     _check_algorithm(args)
+    _check_loss_type(args)
     _check_batch_sizes(args)
     _check_cluster(args)
     _check_data(args)
@@ -72,13 +73,44 @@ def _check_algorithm(args: argparse.Namespace) -> None:
         raise ValueError(f"--tis-clip-low {args.tis_clip_low} is above --tis-clip {args.tis_clip}")
     if args.n_samples_per_prompt == 1 and args.advantage_estimator in ("grpo", "gspo"):
         args.grpo_std_normalization = False  # as slime: the std of one sample is undefined
-        if args.rewards_normalization and not args.debug_train_only:
+        if args.rewards_normalization and not args.debug_train_only and args.loss_type == "policy_loss":
             logger.warning(
                 "--n-samples-per-prompt 1 with --advantage-estimator %s: each group is one sample, so its reward "
                 "minus the group mean is 0 and the policy gets no signal (std normalisation is off, as in "
                 "slime). Sample more per prompt, or train on raw rewards with --disable-rewards-normalization",
                 args.advantage_estimator,
             )
+
+
+def _check_loss_type(args: argparse.Namespace) -> None:
+    if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
+        raise ValueError("--loss-type custom_loss needs --custom-loss-function-path (the loss function)")
+    if args.loss_type != "sft_loss":
+        return
+    if args.custom_loss_function_path:
+        raise ValueError(
+            "--loss-type sft_loss with --custom-loss-function-path: pick one (custom_loss uses the path)"
+        )
+    ignored = [
+        flag
+        for flag, on in (
+            ("--use-kl-loss", args.use_kl_loss),
+            ("--kl-coef", args.kl_coef != 0),
+            ("--opd-kl-coef", bool(args.opd_kl_coef)),
+            ("--use-tis", args.use_tis),
+            ("--advantage-estimator ppo (a critic)", args.advantage_estimator == "ppo"),
+            (
+                "--rollout-max-prompt-len (SFT conversations are tokenized whole, by the rollout)",
+                args.rollout_max_prompt_len,
+            ),
+        )
+        if on
+    ]
+    if ignored:
+        raise ValueError(
+            f"--loss-type sft_loss trains on the negative log-likelihood of the loss-masked tokens only; "
+            f"{', '.join(ignored)} would not take effect: drop them"
+        )
 
 
 def _check_batch_sizes(args: argparse.Namespace) -> None:
@@ -159,7 +191,7 @@ def _check_cluster(args: argparse.Namespace) -> None:
 
 
 def _check_data(args: argparse.Namespace) -> None:
-    needs_prompts = not (args.debug_train_only or args.load_debug_rollout_data)
+    needs_prompts = not args.load_debug_rollout_data
     if needs_prompts and not args.prompt_data:
         raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
     if not args.hf_checkpoint:
@@ -176,17 +208,23 @@ def _check_data(args: argparse.Namespace) -> None:
         check_rm_type(args.rm_type)
     if not load_eval_configs(args) and args.eval_interval:
         raise ValueError(f"--eval-interval {args.eval_interval} needs --eval-prompt-data or --eval-config")
-    if args.debug_train_only and not args.load_debug_rollout_data:
+    default_rollout = "vime.rollout.vllm_rollout.generate_rollout"
+    if (
+        args.debug_train_only
+        and not args.load_debug_rollout_data
+        and args.rollout_function_path == default_rollout
+    ):
         raise ValueError(
             "--debug-train-only starts no engines: pass --load-debug-rollout-data PATTERN (files written by "
-            "--save-debug-rollout-data, with {rollout_id} in the name)"
+            "--save-debug-rollout-data, with {rollout_id} in the name), or a --rollout-function-path that needs no "
+            "engines (e.g. vime.rollout.sft_rollout.generate_rollout)"
         )
     if args.debug_train_only and args.debug_rollout_only:
         raise ValueError("--debug-train-only and --debug-rollout-only both set; pass one")
-    if args.num_rollout is None and (args.num_epoch is None or args.debug_train_only):
+    if args.num_rollout is None and (args.num_epoch is None or args.load_debug_rollout_data):
         raise ValueError(
             "set --num-rollout (rollout steps)"
-            + ("" if args.debug_train_only else " or --num-epoch (passes over --prompt-data)")
+            + ("" if args.load_debug_rollout_data else " or --num-epoch (passes over --prompt-data)")
         )
     if args.num_rollout is not None and args.num_epoch is not None:
         raise ValueError("--num-rollout and --num-epoch both set; pass one (--num-epoch sets --num-rollout)")

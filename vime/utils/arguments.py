@@ -311,7 +311,27 @@ ALGORITHM = [
         "--use-rollout-logprobs",
         dict(action="store_true", help="Use the engine's log-probs as the old policy."),
     ),
-    ("--custom-loss-function-path", dict(default=None, help="Replace the policy loss.")),
+    (
+        "--loss-type",
+        dict(
+            default="policy_loss",
+            choices=["policy_loss", "sft_loss", "custom_loss"],
+            help="policy_loss (PPO/GRPO), sft_loss (negative log-likelihood of the loss-masked tokens; with "
+            "vime.rollout.sft_rollout), or custom_loss (--custom-loss-function-path).",
+        ),
+    ),
+    (
+        "--custom-loss-function-path",
+        dict(default=None, help="Replace the policy loss (--loss-type custom_loss, or with policy_loss)."),
+    ),
+    (
+        "--disable-compute-advantages-and-returns",
+        dict(
+            action="store_false",
+            dest="compute_advantages_and_returns",
+            help="Skip advantages (all zero) for losses that do not use them (SFT, custom losses).",
+        ),
+    ),
     ("--custom-advantage-function-path", dict(default=None, help="Replace the advantage estimator.")),
     (
         "--custom-reward-post-process-path",

@@ -138,11 +138,14 @@ def load_prompt_dataset(
     apply_chat_template: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     max_prompt_len: int | None = None,
+    keep_messages: bool = False,
 ) -> PromptDataset:
     """Load ``spec`` (``path`` or ``path@[start:end]``) into samples with tokenized prompts.
 
-    A prompt is a string or a list of chat messages; messages need ``apply_chat_template``. Prompts longer
-    than ``max_prompt_len`` tokens are dropped, counted in ``num_too_long`` and logged.
+    A prompt is a string or a list of chat messages; messages need ``apply_chat_template``, unless
+    ``keep_messages`` (SFT: ``--loss-type sft_loss``), which keeps them as the sample's ``prompt``, untokenized,
+    with the row's tools in ``metadata["tools"]``. Prompts longer than ``max_prompt_len`` tokens are dropped,
+    counted in ``num_too_long`` and logged.
     """
     data_spec = DataSpec.parse(spec)
     rows = list(read_rows(data_spec.path))
@@ -154,7 +157,7 @@ def load_prompt_dataset(
         prompt = _field(row, input_key, location, "--input-key")
         if isinstance(prompt, list):
             _check_messages(prompt, location)
-            if not apply_chat_template:
+            if not apply_chat_template and not keep_messages:
                 raise DataError(
                     f"{location}: the prompt is a list of chat messages; pass --apply-chat-template"
                 )
@@ -173,6 +176,15 @@ def load_prompt_dataset(
         if not isinstance(metadata, dict):
             raise DataError(f"{location}: {metadata_key!r} must be an object, got {type(metadata).__name__}")
         tools = _field(row, tool_key, location, "--tool-key") if tool_key else None
+        if keep_messages and isinstance(
+            prompt, list
+        ):  # a conversation: its answers are in it, a label is optional
+            label = row.get(label_key) if label_key else None
+            if tools is not None:
+                metadata = {**metadata, "tools": tools}
+            samples.append(Sample(index=row_index, prompt=prompt, label=label, metadata=metadata))
+            continue
+        label = _field(row, label_key, location, "--label-key") if label_key else None
         if apply_chat_template:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             text = tokenizer.apply_chat_template(
@@ -189,7 +201,6 @@ def load_prompt_dataset(
         if max_prompt_len is not None and len(token_ids) > max_prompt_len:
             num_too_long += 1
             continue
-        label = _field(row, label_key, location, "--label-key") if label_key else None
         samples.append(Sample(index=row_index, prompt=text, tokens=token_ids, label=label, metadata=metadata))
     if num_too_long:
         logger.warning(

@@ -108,3 +108,16 @@ def value_loss(args: argparse.Namespace, batch: dict[str, Any], values: torch.Te
     )
     loss = reduce(losses)
     return loss, {"loss": loss.detach(), "value_loss": loss.detach(), "value_clipfrac": reduce(clipfrac)}
+
+
+def sft_loss(
+    args: argparse.Namespace, batch: dict[str, Any], log_probs: torch.Tensor, entropy: torch.Tensor | None
+) -> LossOutput:
+    """``--loss-type sft_loss``: the negative log-likelihood of the loss-masked response tokens, reduced like the
+    policy loss (per-sample token mean, or token mean with ``--calculate-per-token-loss``). Same signature as
+    :func:`policy_loss`; advantages and old log-probs are not used."""
+    loss = batch["reduce"](-log_probs)
+    metrics = {"loss": loss.detach(), "sft_loss": loss.detach()}
+    if entropy is not None:
+        metrics["entropy"] = batch["reduce"](entropy.detach())
+    return loss, metrics

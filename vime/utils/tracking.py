@@ -46,6 +46,7 @@ def format_train_line(rollout_id: int, num_rollout: int | None, metrics: dict[st
         ("rollout/reward_mean", "reward", ".3g"),
         ("rollout/response_length_mean", "resp len", ".1f"),
         ("train/train_rollout_logprob_abs_diff", "logprob diff", ".2g"),
+        ("train/sft_loss", "sft loss", ".3g"),
     ):
         if key in values:
             parts.append(f"{label} {values[key]:{spec}}")

@@ -29,7 +29,7 @@ from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
 from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
-from vime.utils.loss import policy_loss, value_loss
+from vime.utils.loss import value_loss
 from vime.utils.offload import optimizer_tensors
 from vime.utils.train_data import pack_samples
 from vime.utils.types import Sample
@@ -171,7 +171,7 @@ class FSDPTrainer(TrainerBase):
         if self.role == "critic":
             loss = forward_values(self.model, packed, self.device).sum()
         else:
-            entropy_grad = bool(self.args.entropy_coef) or self.loss_fn is not policy_loss
+            entropy_grad = self._entropy_needs_grad()
             log_probs, entropy = forward_log_probs(
                 self.model, packed, self.args.rollout_temperature, self.device, True, entropy_grad
             )
@@ -191,7 +191,7 @@ class FSDPTrainer(TrainerBase):
             if self.role == "critic":
                 loss, metrics = value_loss(args, batch, forward_values(self.model, packed, self.device))
             else:
-                entropy_grad = bool(args.entropy_coef) or self.loss_fn is not policy_loss
+                entropy_grad = self._entropy_needs_grad()
                 log_probs, entropy = forward_log_probs(
                     self.model, packed, args.rollout_temperature, self.device, True, entropy_grad
                 )

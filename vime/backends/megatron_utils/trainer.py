@@ -45,7 +45,7 @@ from vime.backends.megatron_utils.model import (
 from vime.backends.megatron_utils.packed_layout import PackedLayout
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import init_distributed
-from vime.utils.loss import policy_loss, value_loss
+from vime.utils.loss import value_loss
 from vime.utils.offload import optimizer_tensors
 from vime.utils.train_data import PackedBatch, pack_samples
 from vime.utils.types import Sample
@@ -391,7 +391,7 @@ class MegatronTrainer(TrainerBase):
         return payload[0]
 
     def _memory_probe(self, samples: list[Sample]) -> None:
-        entropy_grad = bool(self.args.entropy_coef) or self.loss_fn is not policy_loss
+        entropy_grad = self._entropy_needs_grad()
 
         def loss_func(mb, output):
             per_token, entropy = self._token_outputs(mb, output, self.role == "actor", entropy_grad)
@@ -426,7 +426,7 @@ class MegatronTrainer(TrainerBase):
         inputs, total_tokens = self._micro_batch_inputs(samples, masks, data, torch.device("cuda"))
         mbs = [self._model_batch(packed, indices=mb, batch=batch) for mb, packed, batch in inputs]
         sums: dict[str, float] = {}
-        entropy_grad = bool(args.entropy_coef) or self.loss_fn is not policy_loss
+        entropy_grad = self._entropy_needs_grad()
 
         def loss_func(mb, output):
             if self.role == "critic":
