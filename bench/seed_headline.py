@@ -75,7 +75,9 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.7)
     p.add_argument("--steps", type=int, default=3, help="GRPO steps; the first is warm-up")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--grouped-gemm", action=argparse.BooleanOptionalAction, default=True, help="--moe-grouped-gemm")
+    p.add_argument(
+        "--grouped-gemm", action=argparse.BooleanOptionalAction, default=True, help="--moe-grouped-gemm"
+    )
     p.add_argument("--out", default=None)
     p.add_argument("extra", nargs="*", help="more train.py flags, after --")
     opts = p.parse_args()
