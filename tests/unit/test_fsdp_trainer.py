@@ -236,7 +236,10 @@ def test_export_hf_and_weight_buckets(base_args, model_dir, tmp_path):
 
 # ------------------------------------------------------------------------------------------ other paths
 def test_kl_loss_reference_model_and_rollout_metrics(base_args):
-    args = with_args(base_args, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3", use_tis=True, lr=1e-2)
+    args = with_args(
+        base_args, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3", use_tis=True, lr=1e-2,
+        get_mismatch_metrics=True,
+    )  # fmt: skip
     trainer = FSDPTrainer(args)
     samples = make_samples()
     rewards = shape_rewards(args, groups_of(samples))
@@ -247,7 +250,11 @@ def test_kl_loss_reference_model_and_rollout_metrics(base_args):
         sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs), rel=1e-6
     )
     assert first["kl_loss"] == 0.0  # the policy is still the reference
-    assert 0.0 <= first["tis_clipfrac"] <= 1.0 and first["tis_weight"] > 0
+    # --get-mismatch-metrics: the same |train - rollout| over the same tokens, and consistent ratio statistics
+    assert first["mismatch/abs_diff"] == pytest.approx(first["train_rollout_logprob_abs_diff"], rel=1e-6)
+    assert first["mismatch/ratio_min"] <= first["mismatch/ratio"] <= first["mismatch/ratio_max"]
+    assert first["mismatch/k3"] >= 0.0
+    assert 0.0 <= first["tis_clipfrac"] <= 1.0 and first["tis"] > 0 and first["ois"] == pytest.approx(1.0)
     second = trainer.train(1, samples, rewards)
     assert second["kl_loss"] > 0.0
     reference = trainer.compute_log_probs(samples, model="ref")

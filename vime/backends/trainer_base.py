@@ -27,6 +27,7 @@ from vime.utils.memory_plan import (
     unallocated_optimizer_state_bytes,
 )
 from vime.utils.misc import load_function
+from vime.utils.mismatch import STAT_KEYS, mismatch_metrics, mismatch_statistics
 from vime.utils.offload import GPUOffloader, torch_optimizers
 from vime.utils.ppo_utils import apply_opd_kl
 from vime.utils.train_data import (
@@ -273,6 +274,10 @@ class TrainerBase:
         """Element-wise maximum over the data-parallel ranks."""
         raise NotImplementedError
 
+    def _reduce_float_max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum of floats over the data-parallel ranks."""
+        raise NotImplementedError
+
     def _micro_batch_token_budget(self) -> int | None:
         """Tokens a packed micro-batch may hold (``--max-tokens-per-gpu``: one GPU holds the whole row)."""
         return self.args.max_tokens_per_gpu
@@ -311,6 +316,7 @@ class TrainerBase:
             mask = torch.cat([masks[i] for i in mb]).to(device)
             batch: dict[str, Any] = {
                 "response_lengths": packed.response_lengths,
+                "total_lengths": packed.total_lengths,
                 "loss_mask": mask,
                 "reduce": make_reducer(
                     mask,
@@ -407,7 +413,21 @@ class TrainerBase:
             metrics["train_rollout_logprob_abs_diff"] = self._masked_abs_diff(
                 log_probs, rollout_log_probs, masks
             )
+        if args.get_mismatch_metrics:
+            if rollout_log_probs is None:
+                raise ValueError("--get-mismatch-metrics needs the engine's log-probs (rollout_log_probs)")
+            trainer_log_probs = self.compute_log_probs(samples) if args.use_rollout_logprobs else log_probs
+            metrics |= self._mismatch_metrics(trainer_log_probs, rollout_log_probs, masks)
         return data, metrics
+
+    def _mismatch_metrics(self, train: PerSample, rollout: PerSample, masks: PerSample) -> dict[str, float]:
+        """``--get-mismatch-metrics``: :func:`~vime.utils.mismatch.mismatch_metrics` over all ranks' tokens."""
+        band = (self.args.tis_clip_low, self.args.tis_clip)
+        sums, maxima = mismatch_statistics([t.cpu() for t in train], [t.cpu() for t in rollout], masks, band)
+        totals = dict(zip(STAT_KEYS, self._reduce_sum([sums[k] for k in STAT_KEYS]), strict=True))
+        names = sorted(maxima)
+        extremes = dict(zip(names, self._reduce_float_max([maxima[k] for k in names]), strict=True))
+        return mismatch_metrics(totals, extremes)
 
     def _masked_abs_diff(self, a: PerSample, b: PerSample, masks: PerSample) -> float:
         """Mean of ``|a − b|`` over the loss-masked tokens of all ranks (tool-output tokens have no rollout

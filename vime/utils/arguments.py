@@ -303,10 +303,43 @@ ALGORITHM = [
     ("--num-critic-only-steps", dict(type=int, default=0, help="Rollouts that train only the critic first.")),
     (
         "--use-tis",
-        dict(action="store_true", help="Truncated importance sampling (train vs rollout log-probs)."),
+        dict(
+            action="store_true",
+            help="Correct the policy loss for the train/rollout mismatch with a TIS function (default: "
+            "token-level truncated IS; others in vime.utils.mismatch).",
+        ),
     ),
     ("--tis-clip", dict(type=float, default=2.0, help="TIS weight upper bound.")),
     ("--tis-clip-low", dict(type=float, default=0.0, help="TIS weight lower bound.")),
+    (
+        "--custom-tis-function-path",
+        dict(
+            default=None,
+            help="TIS function (slime's signature), e.g. vime.utils.mismatch.icepop_function, "
+            "geometric_tis_function, token_mask_function, sequence_mask_function.",
+        ),
+    ),
+    (
+        "--custom-pg-loss-reducer-function-path",
+        dict(
+            default=None,
+            help="fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer of the "
+            "per-token pg loss (slime's signature); other terms keep the default reduction.",
+        ),
+    ),
+    (
+        "--get-mismatch-metrics",
+        dict(
+            action="store_true",
+            help="Log train-vs-rollout mismatch metrics each step (mismatch/*: k1/k3 KL, ratio stats, tails, "
+            "sequence level, per response position); the loss is unchanged.",
+        ),
+    ),
+    ("--use-opsm", dict(action="store_true", help="Off-policy sequence masking (slime).")),
+    (
+        "--opsm-delta",
+        dict(type=float, default=1e-4, help="OPSM: mask negative-advantage sequences whose KL exceeds this."),
+    ),
     (
         "--use-rollout-logprobs",
         dict(action="store_true", help="Use the engine's log-probs as the old policy."),

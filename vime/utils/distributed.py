@@ -73,9 +73,10 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def all_reduce_max(values: list[int]) -> list[int]:
-    """Element-wise maximum of a list of ints over all ranks (one collective)."""
-    tensor = torch.tensor(values, dtype=torch.int64, device=device())
+def all_reduce_max(values: list[int] | list[float]) -> list[int] | list[float]:
+    """Element-wise maximum of a list of ints (or, if any is a float, floats) over all ranks (one collective)."""
+    dtype = torch.float64 if any(isinstance(v, float) for v in values) else torch.int64
+    tensor = torch.tensor(values, dtype=dtype, device=device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
 

@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
-from vime.utils import ppo_utils
+from vime.utils import mismatch, ppo_utils
+from vime.utils.misc import load_function
 
 Reducer = Callable[[torch.Tensor], torch.Tensor]
+DEFAULT_TIS = "vime.utils.mismatch.vanilla_tis_function"
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
@@ -71,14 +73,36 @@ def policy_loss(
         ppo_kl, batch["advantages"], args.eps_clip, args.eps_clip_high, args.eps_clip_c
     )
     metrics: dict[str, torch.Tensor] = {}
+    if args.use_opsm:
+        keep = mismatch.opsm_mask(
+            log_probs, old_log_probs, batch["advantages"], batch["loss_mask"], lengths, args.opsm_delta
+        )
+        pg_losses = pg_losses * keep
+        metrics["opsm_clipfrac"] = reduce(1.0 - keep)
+    masks = list(batch["loss_mask"].split(lengths))
     if args.use_tis:
-        rollout = batch["rollout_log_probs"]
-        weights = ppo_utils.compute_tis_weights(old_log_probs, rollout, args.tis_clip_low, args.tis_clip)
-        raw = ppo_utils.compute_tis_weights(old_log_probs, rollout, 0.0, float("inf"))
-        pg_losses = pg_losses * weights
-        metrics["tis_weight"] = reduce(weights)
-        metrics["tis_clipfrac"] = reduce((weights != raw).float())
-    pg_loss = reduce(pg_losses)
+        if batch["rollout_log_probs"] is None:
+            raise ValueError("--use-tis needs the engine's log-probs (rollout_log_probs) on every sample")
+        tis_fn = load_function(args.custom_tis_function_path or DEFAULT_TIS, "--custom-tis-function-path")
+        pg_losses, masks, tis_metrics = tis_fn(
+            args,
+            pg_loss=pg_losses,
+            train_log_probs=list(old_log_probs.split(lengths)),
+            rollout_log_probs=list(batch["rollout_log_probs"].split(lengths)),
+            loss_masks=masks,
+            total_lengths=batch.get("total_lengths"),
+            response_lengths=lengths,
+        )
+        pg_losses = pg_losses * torch.cat(masks).to(pg_losses)  # rejected tokens; denominators stay
+        metrics.update({key: reduce(value.detach().float()) for key, value in tis_metrics.items()})
+        metrics["ois"] = reduce(torch.exp(-ppo_kl.detach()))
+    if args.custom_pg_loss_reducer_function_path:
+        make = load_function(
+            args.custom_pg_loss_reducer_function_path, "--custom-pg-loss-reducer-function-path"
+        )
+        pg_loss = make(batch.get("total_lengths"), lengths, masks, args.calculate_per_token_loss)(pg_losses)
+    else:
+        pg_loss = reduce(pg_losses)
     loss = pg_loss
     metrics.update(pg_loss=pg_loss.detach(), pg_clipfrac=reduce(clipfrac), ppo_kl=reduce(ppo_kl.detach()))
     if entropy is not None:

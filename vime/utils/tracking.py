@@ -47,6 +47,8 @@ def format_train_line(rollout_id: int, num_rollout: int | None, metrics: dict[st
         ("rollout/response_length_mean", "resp len", ".1f"),
         ("train/train_rollout_logprob_abs_diff", "logprob diff", ".2g"),
         ("train/sft_loss", "sft loss", ".3g"),
+        ("train/mismatch/k3", "mismatch k3", ".2g"),
+        ("train/mismatch/tis_band_out_fraction", "out of TIS band", ".2g"),
     ):
         if key in values:
             parts.append(f"{label} {values[key]:{spec}}")

@@ -162,6 +162,9 @@ class FSDPTrainer(TrainerBase):
     def _reduce_max(self, values: list[int]) -> list[int]:
         return all_reduce_max(values)
 
+    def _reduce_float_max(self, values: list[float]) -> list[float]:
+        return all_reduce_max([float(v) for v in values])
+
     # ------------------------------------------------------------------------------------------------ train
     def _reduce_sum(self, values: list[float]) -> list[float]:
         return all_reduce_sum(values)

@@ -267,6 +267,9 @@ class MegatronTrainer(TrainerBase):
     def _reduce_max(self, values: list[int]) -> list[int]:
         return [int(v) for v in _dp_reduce(values, op=dist.ReduceOp.MAX)]
 
+    def _reduce_float_max(self, values: list[float]) -> list[float]:
+        return _dp_reduce(values, op=dist.ReduceOp.MAX)
+
     def _model_batch(self, packed: PackedBatch, **extra) -> dict:
         """A packed micro-batch as this rank feeds it to the model: padded and split for SP/CP
         (:class:`PackedLayout`), with the local logit rows and their labels."""
