@@ -231,6 +231,11 @@ def test_sft_runs_without_engines_and_takes_epochs():
     assert args.debug_train_only and args.num_epoch == 2
 
 
+def test_train_env_vars_and_log_passrate_parse():
+    args = parse_args([*BASE, "--train-env-vars", '{"NCCL_DEBUG": "INFO"}', "--log-passrate"])
+    assert args.train_env_vars == {"NCCL_DEBUG": "INFO"} and args.log_passrate
+
+
 def test_required_flags_are_named(capsys):
     assert "--rollout-batch-size is required" in _error_of(
         ["--train-backend", "fsdp", "--hf-checkpoint", "/m", "--n-samples-per-prompt", "2"], capsys

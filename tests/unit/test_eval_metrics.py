@@ -99,3 +99,15 @@ def test_rejects_missing_rewards_and_empty_groups():
         compute_eval_metrics("a", [])
     with pytest.raises(ValueError, match=r"groups \[1\] have no samples"):
         compute_eval_metrics("a", [[sample(1.0)], []])
+
+
+def test_pass_rates_for_log_passrate():
+    from vime.rollout.eval_metrics import pass_rates
+
+    def group(*rewards):
+        return [Sample(reward=r, status=Status.COMPLETED) for r in rewards]
+
+    # groups of 4: one with 1 pass (pass@1 1/4, pass@2 1 - C(3,2)/C(4,2) = 1/2, pass@4 1), one with none
+    rates = pass_rates([group(1.0, 0.0, 0.0, 0.0), group(0.0, 0.0, 0.0, 0.0)])
+    assert rates == pytest.approx({"pass@1": 0.125, "pass@2": 0.25, "pass@4": 0.5})
+    assert pass_rates([]) == {}

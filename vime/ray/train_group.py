@@ -89,7 +89,10 @@ class RayTrainGroup:
             TrainRayActor.options(
                 num_cpus=1 if bundles.resource == "CPU" else 0,
                 num_gpus=1 if bundles.resource == "GPU" else 0,
-                runtime_env={"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": allocator_conf}},
+                runtime_env={
+                    "env_vars": {"PYTORCH_CUDA_ALLOC_CONF": allocator_conf}
+                    | {k: str(v) for k, v in args.train_env_vars.items()}
+                },
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=bundles.group, placement_group_bundle_index=index
                 ),

@@ -40,20 +40,31 @@ def compute_eval_metrics(
     rewards = [_reward(sample, reward_key) for sample in samples]
     prefix = f"eval/{name}/"
     metrics = {prefix + "mean_reward": sum(rewards) / len(rewards)}
-    k = 1
-    while k <= min(len(group) for group in groups):
-        estimates = [
-            pass_at_k(len(group), sum(_reward(s, reward_key) >= success_threshold for s in group), k)
-            for group in groups
-        ]
-        metrics[f"{prefix}pass@{k}"] = sum(estimates) / len(estimates)
-        k *= 2
+    metrics |= {
+        prefix + key: value for key, value in pass_rates(groups, reward_key, success_threshold).items()
+    }
     lengths = [sample.response_length for sample in samples if sample.status != Status.FAILED]
     metrics[prefix + "truncation_rate"] = sum(s.status == Status.TRUNCATED for s in samples) / len(samples)
     metrics[prefix + "failed"] = float(len(samples) - len(lengths))
     metrics[prefix + "num_samples"] = float(len(samples))
     metrics[prefix + "response_length_mean"] = sum(lengths) / len(lengths) if lengths else 0.0
     return metrics
+
+
+def pass_rates(
+    groups: list[list[Sample]], reward_key: str | None = None, success_threshold: float = 1.0
+) -> dict[str, float]:
+    """``pass@k`` for k = 1, 2, 4, ... up to the smallest group: each group's unbiased estimate, averaged."""
+    rates = {}
+    k = 1
+    while groups and k <= min(len(group) for group in groups):
+        estimates = [
+            pass_at_k(len(group), sum(_reward(s, reward_key) >= success_threshold for s in group), k)
+            for group in groups
+        ]
+        rates[f"pass@{k}"] = sum(estimates) / len(estimates)
+        k *= 2
+    return rates
 
 
 def _reward(sample: Sample, reward_key: str | None) -> float:

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from vime.backends.vllm_utils.control_client import EngineControlClient
+from vime.rollout.eval_metrics import pass_rates
 from vime.rollout.filter_hub.base_types import DynamicFilterOutput
 from vime.rollout.rm_hub import reward_samples
 from vime.utils.async_utils import run
@@ -329,6 +330,8 @@ async def train_rollout(
         returned = [[reset_to_prompt(s) for s in group] for group in returned]
     data_source.add_samples(returned)
     metrics = rollout_metrics(kept, args.reward_key)
+    if getattr(args, "log_passrate", False):  # slime's --log-passrate: pass@k of the kept groups
+        metrics |= {f"rollout/{key}": value for key, value in pass_rates(kept, args.reward_key).items()}
     metrics.update(
         {
             "rollout/submitted_groups": submitted,

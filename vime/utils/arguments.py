@@ -328,6 +328,21 @@ ALGORITHM = [
         ),
     ),
     (
+        "--log-passrate",
+        dict(
+            action="store_true",
+            help="Log rollout/pass@k (k = 1, 2, 4, ... up to --n-samples-per-prompt; reward >= 1 passes).",
+        ),
+    ),
+    (
+        "--train-env-vars",
+        dict(
+            type=_json_dict,
+            default={},
+            help='JSON environment variables for the training processes, e.g. {"NCCL_DEBUG": "INFO"}.',
+        ),
+    ),
+    (
         "--get-mismatch-metrics",
         dict(
             action="store_true",
