@@ -403,3 +403,27 @@ def test_ref_update_interval_copies_the_policy_into_the_reference(base_args):
     assert all(torch.equal(full(p), initial[n]) for n, p in trainer.ref_model.named_parameters())
     trainer.train(1, samples, rewards)
     assert ref_equals_policy()
+
+
+@pytest.mark.parametrize(
+    ("flags", "trained"),
+    [
+        (dict(freeze_params_name_list=["embed_tokens", r"layers\.0\."]), lambda n: "embed" not in n and ".0." not in n),
+        (dict(only_train_params_name_list=["lm_head"]), lambda n: "lm_head" in n),
+    ],
+)  # fmt: skip
+def test_freeze_and_only_train_param_lists(base_args, flags, trained):
+    args = with_args(base_args, **flags)
+    trainer = FSDPTrainer(args)
+    before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    samples = make_samples()
+    trainer.train(0, samples, shape_rewards(args, groups_of(samples)))
+    after = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and all(trained(n) for n in changed), sorted(changed)
+    assert all(not trained(n) or n in changed or before[n].ndim <= 1 for n in before)
+
+
+def test_a_freeze_pattern_that_matches_nothing_is_an_error(base_args):
+    with pytest.raises(ValueError, match="--freeze-params-name-list 'embeding' matches no parameter"):
+        FSDPTrainer(with_args(base_args, freeze_params_name_list=["embeding"]))

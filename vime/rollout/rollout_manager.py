@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,12 @@ class RolloutManager:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engine_extra_args = list(engine_extra_args or [])
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
-        self.data_source = None if args.load_debug_rollout_data else RolloutDataSource(args, tokenizer)
+        source_class = (
+            load_function(args.data_source_path, "--data-source-path")
+            if args.data_source_path
+            else RolloutDataSource
+        )
+        self.data_source = None if args.load_debug_rollout_data else source_class(args, tokenizer)
         self.rollout_fn = load_function(args.rollout_function_path, "--rollout-function-path")
         self.eval_fn = load_function(
             args.eval_function_path or args.rollout_function_path,
@@ -107,11 +113,19 @@ class RolloutManager:
             output = load_rollout_data(self.args.load_debug_rollout_data.format(rollout_id=rollout_id))
         else:
             self._state_before = (rollout_id, self.data_source.state_dict())
+            started = time.monotonic()
             output = self.rollout_fn(self.args, rollout_id, self.data_source, evaluation=False)
         if not isinstance(output, RolloutFnTrainOutput):
             raise TypeError(
                 f"{self.args.rollout_function_path} returned {type(output).__name__}; expected RolloutFnTrainOutput"
             )
+        if self.args.custom_rollout_log_function_path and not self.args.load_debug_rollout_data:
+            log = load_function(
+                self.args.custom_rollout_log_function_path, "--custom-rollout-log-function-path"
+            )
+            samples = [s for group in output.samples for s in group]
+            if log(rollout_id, self.args, samples, output.metrics or {}, time.monotonic() - started):
+                output.metrics = {}
         for group in output.samples:
             for sample in group:
                 sample.rollout_step = rollout_id
@@ -126,6 +140,12 @@ class RolloutManager:
         output = self.eval_fn(self.args, rollout_id, self.data_source, evaluation=True)
         if not isinstance(output, RolloutFnEvalOutput):
             raise TypeError(f"eval function returned {type(output).__name__}; expected RolloutFnEvalOutput")
+        if self.args.custom_eval_rollout_log_function_path:
+            log = load_function(
+                self.args.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path"
+            )
+            if log(rollout_id, self.args, output.data, output.metrics or {}):
+                output.metrics = {}
         return output
 
     def num_rollout_per_epoch(self) -> int:

@@ -328,6 +328,39 @@ ALGORITHM = [
         ),
     ),
     (
+        "--freeze-params-name-list",
+        dict(nargs="*", default=None, help="Regexes (re.search) of parameter names to freeze."),
+    ),
+    (
+        "--only-train-params-name-list",
+        dict(
+            nargs="*", default=None, help="Regexes of the only parameter names that train; the rest freeze."
+        ),
+    ),
+    (
+        "--custom-rollout-log-function-path",
+        dict(
+            default=None,
+            help="fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool (slime); True "
+            "drops the default rollout metrics of that step.",
+        ),
+    ),
+    (
+        "--custom-eval-rollout-log-function-path",
+        dict(
+            default=None,
+            help="fn(rollout_id, args, data, extra_metrics) -> bool (slime); True drops the default eval metrics.",
+        ),
+    ),
+    (
+        "--data-source-path",
+        dict(
+            default=None,
+            help="Data source class, built as cls(args, tokenizer) (default vime.rollout.data_source."
+            "RolloutDataSource); needs get_samples, add_samples, state_dict/load_state_dict, save/load.",
+        ),
+    ),
+    (
         "--log-passrate",
         dict(
             action="store_true",

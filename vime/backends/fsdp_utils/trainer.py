@@ -29,6 +29,7 @@ from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
 from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
+from vime.utils.freeze import apply_trainable_patterns
 from vime.utils.loss import value_loss
 from vime.utils.offload import optimizer_tensors
 from vime.utils.train_data import pack_samples
@@ -59,6 +60,7 @@ class FSDPTrainer(TrainerBase):
         random.seed(args.seed)
         np.random.seed(args.seed)
         self.model = build_model(args.hf_checkpoint, role, self.mesh, args)
+        apply_trainable_patterns(self.model, args.freeze_params_name_list, args.only_train_params_name_list)
         lr = args.critic_lr if role == "critic" and args.critic_lr is not None else args.lr
         self.optimizer = build_optimizer(args, self.model, lr)
         self.scheduler = build_lr_scheduler(args, self.optimizer, lr)

@@ -45,6 +45,7 @@ from vime.backends.megatron_utils.model import (
 from vime.backends.megatron_utils.packed_layout import PackedLayout
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import init_distributed
+from vime.utils.freeze import apply_trainable_patterns
 from vime.utils.loss import value_loss
 from vime.utils.offload import optimizer_tensors
 from vime.utils.train_data import PackedBatch, pack_samples
@@ -106,6 +107,7 @@ class MegatronTrainer(TrainerBase):
         self.dtype = compute_dtype(args)
 
         module = self._load_module(args.hf_checkpoint)
+        apply_trainable_patterns(module, args.freeze_params_name_list, args.only_train_params_name_list)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
