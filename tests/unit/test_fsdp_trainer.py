@@ -427,3 +427,18 @@ def test_freeze_and_only_train_param_lists(base_args, flags, trained):
 def test_a_freeze_pattern_that_matches_nothing_is_an_error(base_args):
     with pytest.raises(ValueError, match="--freeze-params-name-list 'embeding' matches no parameter"):
         FSDPTrainer(with_args(base_args, freeze_params_name_list=["embeding"]))
+
+
+def test_ref_ckpt_step_picks_the_reference_iteration(base_args, tmp_path):
+    trainer = FSDPTrainer(base_args)
+    samples = make_samples()
+    rewards = shape_rewards(base_args, groups_of(samples))
+    trainer.train(0, samples, rewards)
+    trainer.save(0, str(tmp_path / "ckpt"))
+    at_0 = trainer.compute_log_probs(samples)
+    trainer.train(1, samples, rewards)
+    trainer.save(1, str(tmp_path / "ckpt"))  # the latest
+    for step, want in ((0, at_0), (None, trainer.compute_log_probs(samples))):
+        args = with_args(base_args, ref_load=str(tmp_path / "ckpt"), ref_ckpt_step=step, use_kl_loss=True)
+        reference = FSDPTrainer(args).compute_log_probs(samples, "ref")
+        assert all(torch.equal(a, b) for a, b in zip(reference, want, strict=True)), step

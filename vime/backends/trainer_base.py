@@ -131,21 +131,25 @@ class TrainerBase:
                 param.copy_(source.full_tensor() if isinstance(source, DTensor) else source)
 
     def _init_policy_models_and_hooks(
-        self, build_frozen: Callable[[str], Any], is_actor: bool = True
+        self, build_frozen: Callable[[str, int | None], Any], is_actor: bool = True
     ) -> None:
         """Set ``ref_model`` (``--use-kl-loss`` or ``--kl-coef``), ``teacher_model`` (``--opd-kl-coef``) via
-        ``build_frozen(path)``, and ``loss_fn`` / ``advantage_fn`` from ``--custom-loss-function-path`` /
+        ``build_frozen(path, step)`` (``--ref-ckpt-step`` / ``--opd-teacher-ckpt-step``: a checkpoint iteration, else the
+        latest), and ``loss_fn`` / ``advantage_fn`` from ``--custom-loss-function-path`` /
         ``--custom-advantage-function-path``."""
         args = self.args
         wants_ref = is_actor and (args.use_kl_loss or args.kl_coef != 0)
-        self.ref_model = build_frozen(args.ref_load or args.hf_checkpoint) if wants_ref else None
+        ref_step = getattr(args, "ref_ckpt_step", None) if args.ref_load else None
+        self.ref_model = build_frozen(args.ref_load or args.hf_checkpoint, ref_step) if wants_ref else None
         self.teacher_model = None
         if is_actor and args.opd_kl_coef:
             if not args.opd_teacher_load:
                 raise ValueError(
                     "--opd-kl-coef needs --opd-teacher-load (HF dir or vime checkpoint of the teacher)"
                 )
-            self.teacher_model = build_frozen(args.opd_teacher_load)
+            self.teacher_model = build_frozen(
+                args.opd_teacher_load, getattr(args, "opd_teacher_ckpt_step", None)
+            )
         self.loss_fn: Callable = sft_loss if args.loss_type == "sft_loss" else policy_loss
         if args.custom_loss_function_path:
             self.loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")

@@ -428,6 +428,10 @@ ALGORITHM = [
         ),
     ),
     ("--opd-teacher-load", dict(default=None, help="HF checkpoint of the distillation teacher.")),
+    (
+        "--opd-teacher-ckpt-step",
+        dict(type=int, default=None, help="Iteration of a checkpoint --opd-teacher-load (default latest)."),
+    ),
 ]
 
 CHECKPOINT = [
@@ -437,6 +441,10 @@ CHECKPOINT = [
             default=None,
             help="Reference model for KL (default --hf-checkpoint); also the fallback for --load.",
         ),
+    ),
+    (
+        "--ref-ckpt-step",
+        dict(type=int, default=None, help="Iteration of a checkpoint --ref-load for the reference model."),
     ),
     ("--critic-load", dict(default=None, help="Critic checkpoint to load.")),
     ("--critic-save", dict(default=None, help="Critic checkpoint directory.")),

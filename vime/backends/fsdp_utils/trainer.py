@@ -68,13 +68,13 @@ class FSDPTrainer(TrainerBase):
         self._init_policy_models_and_hooks(self._frozen_model, is_actor=role == "actor")
         self.memory_plan = self.check_memory_plan()
 
-    def _frozen_model(self, path: str) -> nn.Module:
-        is_checkpoint = checkpoint.latest_iteration(path) is not None
+    def _frozen_model(self, path: str, step: int | None = None) -> nn.Module:
+        is_checkpoint = step is not None or checkpoint.latest_iteration(path) is not None
         model = build_model(
             self.args.hf_checkpoint if is_checkpoint else path, "actor", self.mesh, self.args, False
         )
         if is_checkpoint:
-            checkpoint.load_weights(model, path)
+            checkpoint.load_weights(model, path, step)
         return model
 
     # ------------------------------------------------------------------------------------------ checkpoints

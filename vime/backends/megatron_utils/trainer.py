@@ -144,20 +144,20 @@ class MegatronTrainer(TrainerBase):
         self.memory_plan = self.check_memory_plan()
 
     # ------------------------------------------------------------------------------------------------ build
-    def _load_module(self, path: str, role: str | None = None):
+    def _load_module(self, path: str, role: str | None = None, step: int | None = None):
         """A GPTModel (for ``role``, default this trainer's) with weights from an HF dir or a torch_dist
-        checkpoint dir."""
+        checkpoint dir (its iteration ``step``, default the latest)."""
         module = build_gpt_model(self.args, self.hf_vocab_size, self.config)
         if (role or self.role) == "critic":
             add_value_head(module, self.config, self.args.seed)
-        if checkpoint.latest_iteration(path) is not None:
-            checkpoint.load(path, None, module, None, None, load_rng=False)
+        if step is not None or checkpoint.latest_iteration(path) is not None:
+            checkpoint.load(path, step, module, None, None, load_rng=False)
         else:
             weights.load_hf_weights(module, path, self.hf_vocab_size)
         return module
 
-    def _frozen(self, path: str):
-        module = self._load_module(path, "actor")
+    def _frozen(self, path: str, step: int | None = None):
+        module = self._load_module(path, "actor", step)
         module.eval()
         module.requires_grad_(False)
         return module
