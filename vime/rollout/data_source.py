@@ -18,6 +18,7 @@ from typing import Any
 
 from vime.utils.checkpoint_layout import iteration_dir
 from vime.utils.data import PromptDataset, load_prompt_dataset
+from vime.utils.misc import load_function
 from vime.utils.types import Sample, Status
 
 STATE_VERSION = 1
@@ -54,6 +55,8 @@ class RolloutDataSource:
         self.next_group_index = 0
         self.next_sample_index = 0
         self.buffer: list[list[Sample]] = []
+        path = getattr(args, "buffer_filter_path", None)
+        self.buffer_filter = load_function(path, "--buffer-filter-path") if path else None
         self._order: tuple[int, list[int]] | None = None  # (epoch, order) cache
 
     @property
@@ -75,8 +78,13 @@ class RolloutDataSource:
         """``num_groups`` groups: buffered groups first (FIFO), then fresh prompts in epoch order."""
         if num_groups < 0:
             raise ValueError(f"num_groups must be >= 0, got {num_groups}")
-        groups = self.buffer[:num_groups]
-        del self.buffer[:num_groups]
+        if self.buffer_filter is not None:  # slime's --buffer-filter-path: takes its groups out of the buffer
+            groups = list(self.buffer_filter(self.args, None, self.buffer, num_groups))
+            if len(groups) > num_groups:
+                raise ValueError(f"--buffer-filter-path returned {len(groups)} groups for {num_groups} asked")
+        else:
+            groups = self.buffer[:num_groups]
+            del self.buffer[:num_groups]
         while len(groups) < num_groups:
             order = self._epoch_order()
             prompt = self.dataset.samples[order[self.offset]]

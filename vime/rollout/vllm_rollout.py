@@ -14,6 +14,7 @@ abort/control calls go, never through the router), ``args.weight_version`` (reco
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 from collections import Counter
@@ -251,23 +252,48 @@ def reset_to_prompt(sample: Sample) -> Sample:
     return sample
 
 
-async def generate_group(args, group: list[Sample], sampling_params: dict[str, Any]) -> list[Sample]:
+async def generate_group(
+    args, group: list[Sample], sampling_params: dict[str, Any], rollout_id: int | None = None
+) -> list[Sample]:
     """Generate every sample of a group (one ``n``-sample request when the group is fresh and no custom generate
     function is set), then reward it (unless the group was aborted)."""
     if args.custom_generate_function_path:
         generate_fn = load_function(args.custom_generate_function_path, "--custom-generate-function-path")
     elif is_fresh_group(group):
-        return await _rewarded(args, await generate_fresh_group(args, group, dict(sampling_params)))
+        return await _rewarded(
+            args, await generate_fresh_group(args, group, dict(sampling_params)), rollout_id
+        )
     else:
         generate_fn = generate
+    if getattr(args, "mask_offpolicy_in_partial_rollout", False):
+        for sample in group:
+            mask_previous_response(sample)
     outputs = await asyncio.gather(*(generate_fn(args, sample, dict(sampling_params)) for sample in group))
-    return await _rewarded(args, [s for out in outputs for s in (out if isinstance(out, list) else [out])])
+    samples = [s for out in outputs for s in (out if isinstance(out, list) else [out])]
+    return await _rewarded(args, samples, rollout_id)
 
 
-async def _rewarded(args, samples: list[Sample]) -> list[Sample]:
-    """Reward the samples of a group, unless the group was aborted (it goes back to the buffer)."""
-    if not any(s.status == Status.ABORTED for s in samples):
-        await reward_samples(args, samples)
+def mask_previous_response(sample: Sample) -> None:
+    """``--mask-offpolicy-in-partial-rollout`` (slime): a partially generated sample that resumes under newer
+    weights trains only on the tokens generated from now on; its earlier response tokens get loss mask 0."""
+    if sample.response_length and sample.status in (Status.PENDING, Status.ABORTED):
+        sample.loss_mask = [0] * sample.response_length
+
+
+async def _rewarded(args, samples: list[Sample], rollout_id: int | None = None) -> list[Sample]:
+    """Reward the samples of a group, unless the group was aborted (it goes back to the buffer); first each
+    ``--rollout-sample-hook-path`` hook (slime: ``hook(args, sample, *, rollout_id, evaluation)``, sync or async,
+    returning a replacement Sample or None to keep the one it may have changed)."""
+    if any(s.status == Status.ABORTED for s in samples):
+        return samples
+    for path in getattr(args, "rollout_sample_hook_path", None) or []:
+        hook = load_function(path, "--rollout-sample-hook-path")
+        for i, sample in enumerate(samples):
+            out = hook(args, sample, rollout_id=rollout_id, evaluation=False)
+            if inspect.isawaitable(out):
+                out = await out
+            samples[i] = out if out is not None else sample
+    await reward_samples(args, samples)
     return samples
 
 
@@ -302,7 +328,7 @@ async def train_rollout(
                         f"it needs {target}. Check --dynamic-sampling-filter-path or the task difficulty"
                     )
                 for group in data_source.get_samples(per_round):
-                    pending[asyncio.create_task(generate_group(args, group, params))] = group
+                    pending[asyncio.create_task(generate_group(args, group, params, rollout_id))] = group
                     submitted += 1
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:

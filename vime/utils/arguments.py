@@ -361,6 +361,30 @@ ALGORITHM = [
         ),
     ),
     (
+        "--buffer-filter-path",
+        dict(
+            default=None,
+            help="fn(args, rollout_id, buffer, num_groups) -> groups it takes out of the data buffer (slime); "
+            "default: the first ones.",
+        ),
+    ),
+    (
+        "--rollout-sample-hook-path",
+        dict(
+            action="append",
+            default=[],
+            help="hook(args, sample, *, rollout_id, evaluation) -> Sample | None on each generated sample before "
+            "its reward (sync or async; repeatable).",
+        ),
+    ),
+    (
+        "--mask-offpolicy-in-partial-rollout",
+        dict(
+            action="store_true",
+            help="With --partial-rollout: a resumed sample trains only on the tokens generated after it resumed.",
+        ),
+    ),
+    (
         "--log-passrate",
         dict(
             action="store_true",
