@@ -70,6 +70,25 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, first_ch
                 first_chunk.set()
 
 
+async def _running_at_least(
+    session: aiohttp.ClientSession, engine_url: str, n: int, request: asyncio.Task
+) -> None:
+    """Poll the engine's ``vllm:num_requests_running`` until it reaches ``n`` (or ``request`` ends; 10 s at most)."""
+    for _ in range(200):
+        if request.done():
+            return
+        async with session.get(f"{engine_url}/metrics") as resp:
+            text = await resp.text()
+        running = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        )
+        if running >= n:
+            return
+        await asyncio.sleep(0.05)
+
+
 def _finished_before_pause(request: asyncio.Task) -> bool:
     if not request.done():
         return False
@@ -95,6 +114,9 @@ async def _pause_mid_flight(
         decoding = asyncio.create_task(first_chunk.wait())
         await asyncio.wait([request, decoding], return_when=asyncio.FIRST_COMPLETED)
         decoding.cancel()
+        # the probe decodes; wait until the engine runs the long request's 4 samples too (on a busy machine it
+        # may still be on its way through the router), so the pause catches it in flight
+        await _running_at_least(session, served.engine.url, 5, request)
         if not request.done():
             await client.pause(mode)
             await asyncio.wait([request], timeout=1.0 if mode == "keep" else 5.0)

@@ -155,14 +155,35 @@ class Run:
             return {}
         started = time.monotonic()
         self.weight_version += 1
-        engine_urls = ray.get(self.manager.engine_urls.remote())
         sync_dir = self.args.update_weight_dir or str(self.log_dir / "weight_sync")  # the disk transport's
         ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
-        metrics = self.actor.sync_weights(engine_urls, self.weight_version, sync_dir)
+        metrics = self._push_weights(sync_dir)
         metrics |= self.offload_trainers()  # after the sync: it reads the actor's weights
         ray.get(self.manager.wake_up.remote(["kv_cache"]))
         ray.get(self.manager.set_weight_version.remote(self.weight_version))
         return {**metrics, "time/sync_s": time.monotonic() - started}
+
+    def _push_weights(self, sync_dir: str) -> dict[str, float]:
+        """The actor's weights to every engine; with ``--use-fault-tolerance`` dead engines are replaced first,
+        and a sync an engine died in is done again over the replaced set (once)."""
+        if not self.args.use_fault_tolerance:
+            return self.actor.sync_weights(
+                ray.get(self.manager.engine_urls.remote()), self.weight_version, sync_dir
+            )
+
+        def push() -> dict[str, float]:
+            ray.get(self.manager.ensure_engines_healthy.remote())
+            return self.actor.sync_weights(
+                ray.get(self.manager.engine_urls.remote()), self.weight_version, sync_dir
+            )
+
+        try:
+            return push() | {"fault/sync_retries": 0.0}
+        except ray.exceptions.RayTaskError as e:
+            if "EngineControlError" not in str(e):
+                raise
+            print(f"[vime] weight sync {self.weight_version} lost an engine; replacing it and syncing again")
+        return push() | {"fault/sync_retries": 1.0}
 
     def close(self) -> None:
         """Stop engines and router, close the tracker, leave Ray (its actors go with it)."""

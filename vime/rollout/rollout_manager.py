@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.backends.vllm_utils.engine_monitor import EngineMonitor
 from vime.backends.vllm_utils.router import connect_router, register_workers
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.vllm_rollout import close_contexts
@@ -56,6 +57,7 @@ class RolloutManager:
             "--eval-function-path" if args.eval_function_path else "--rollout-function-path",
         )
         self.engines: list[VLLMEngine] = []
+        self.monitor: EngineMonitor | None = None  # --use-fault-tolerance
         self.router = None
         self.sleeping: set[str] = set()  # what the engines have freed (--offload-rollout)
         # (rollout id, data-buffer state just before that rollout drew its prompts): what a checkpoint of the
@@ -81,15 +83,8 @@ class RolloutManager:
                     "--offload-rollout (implied by --colocate) needs GPU engines: vLLM's sleep mode is CUDA-only"
                 )
             extra_args.append("--enable-sleep-mode")
-        self.engines = [
-            VLLMEngine(
-                self.args,
-                log_path=self.log_dir / f"engine_{i}.log",
-                extra_args=extra_args,
-                env={"CUDA_VISIBLE_DEVICES": self.engine_gpus[i]} if self.engine_gpus else None,
-            )
-            for i in range(self.num_engines)
-        ]
+        self._engine_extra_args = extra_args
+        self.engines = [self._make_engine(i) for i in range(self.num_engines)]
         try:
             for engine in self.engines:
                 engine.start()
@@ -99,6 +94,9 @@ class RolloutManager:
         except BaseException:
             self.shutdown()
             raise
+        if self.args.use_fault_tolerance:
+            self.monitor = EngineMonitor(self.args, self.engines, router_url, self._make_engine)
+            self.monitor.start()
         host, port = router_url.removeprefix("http://").rsplit(":", 1)
         self.args.vllm_router_ip, self.args.vllm_router_port = host, int(port)
         self.args.rollout_engine_urls = [engine.url for engine in self.engines]
@@ -106,6 +104,17 @@ class RolloutManager:
         # is split by chunked prefill; per-request seeds are therefore used on GPU engines only.
         self.args.rollout_sample_seeds = bool(self.engine_gpus) or torch.cuda.is_available()
         logger.info("%d vLLM engine(s) ready behind %s", len(self.engines), router_url)
+
+    def _make_engine(self, slot: int) -> VLLMEngine:
+        """The engine of ``slot`` (a replacement logs to its own file: the dead one's log stays)."""
+        restarts = self.monitor.restarts[slot] if self.monitor is not None else 0
+        name = f"engine_{slot}.log" if not restarts else f"engine_{slot}.restart{restarts}.log"
+        return VLLMEngine(
+            self.args,
+            log_path=self.log_dir / name,
+            extra_args=self._engine_extra_args,
+            env={"CUDA_VISIBLE_DEVICES": self.engine_gpus[slot]} if self.engine_gpus else None,
+        )
 
     def generate(self, rollout_id: int) -> RolloutFnTrainOutput:
         """One training batch: from the rollout function, or from ``--load-debug-rollout-data``."""
@@ -129,6 +138,9 @@ class RolloutManager:
         for group in output.samples:
             for sample in group:
                 sample.rollout_step = rollout_id
+        if self.monitor is not None:
+            self.monitor.raise_if_fatal()
+            output.metrics = {**(output.metrics or {}), **self.monitor.metrics()}
         if self.args.save_debug_rollout_data:
             save_rollout_data(
                 self.args.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, output
@@ -160,7 +172,16 @@ class RolloutManager:
 
     def engine_urls(self) -> list[str]:
         """Base URLs of the engines (control calls and weight sync go to them directly)."""
+        if self.monitor is not None:
+            self.monitor.raise_if_fatal()
+            with self.monitor.lock:
+                return [engine.url for engine in self.engines]
         return [engine.url for engine in self.engines]
+
+    def ensure_engines_healthy(self) -> None:
+        """``--use-fault-tolerance``: replace dead engines now (before a weight sync); a no-op without it."""
+        if self.monitor is not None:
+            self.monitor.ensure_healthy()
 
     def sleep(self) -> None:
         """Free the engines' GPU memory for training (``--offload-rollout``): the weights and the KV cache are
@@ -181,8 +202,11 @@ class RolloutManager:
             self.sleeping -= set(tags)
 
     def set_weight_version(self, version: int) -> None:
-        """Record the policy version the engines now serve (stamped on every new sample)."""
+        """Record the policy version the engines now serve (stamped on every new sample); engines restarted by
+        ``--use-fault-tolerance`` received it too and rejoin the router."""
         self.args.weight_version = version
+        if self.monitor is not None:
+            self.monitor.admit_synced()
 
     def save(self, rollout_id: int, save_dir: str | Path) -> None:
         """Save the data buffer's state as of the end of rollout ``rollout_id`` next to the trainer's checkpoint
@@ -201,6 +225,8 @@ class RolloutManager:
 
     def shutdown(self) -> None:
         """Close the rollout's HTTP sessions, stop the router (if vime started it) and every engine."""
+        if self.monitor is not None:
+            self.monitor.stop()
         run(close_contexts())
         if self.router is not None:
             self.router.stop()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import time
 from collections import Counter
 from typing import Any
@@ -33,6 +34,9 @@ from vime.utils.types import RolloutFnTrainOutput, Sample, Status
 # Give up when the dynamic filter has dropped this many times the batch without filling it.
 MAX_OVERSAMPLING_FACTOR = 20
 ABORT_RETRY_S = 0.2
+
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutError(RuntimeError):
@@ -59,6 +63,16 @@ class RolloutContext:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         self.aborting = False
+        # --use-fault-tolerance: a request the router could not complete (its engine died) is sent again
+        self.retry_window_s = (
+            args.engine_start_timeout
+            + args.rollout_health_check_interval
+            + args.rollout_health_check_timeout
+            + 60
+            if getattr(args, "use_fault_tolerance", False)
+            else 0.0
+        )
+        self.requeued_samples = 0
 
     async def completion(self, payload: dict[str, Any]) -> dict[str, Any]:
         """POST ``/v1/completions`` through the router; connection problems and 5xx are fatal."""
@@ -166,13 +180,28 @@ async def _request(ctx: RolloutContext, payload: dict[str, Any], samples: list[S
             for sample in samples:
                 sample.status = Status.ABORTED
             return None
-        try:
-            return (await ctx.completion(payload))["choices"]
-        except SampleGenerationError as exc:
-            for sample in samples:
-                sample.mark_failed(str(exc))
-                sample.remove_sample = True
-            return None
+        give_up_at = None
+        while True:
+            try:
+                return (await ctx.completion(payload))["choices"]
+            except SampleGenerationError as exc:
+                for sample in samples:
+                    sample.mark_failed(str(exc))
+                    sample.remove_sample = True
+                return None
+            except RolloutError as exc:
+                # the samples are unchanged (the failed attempt appended nothing): sending the request again
+                # generates each of them once
+                give_up_at = give_up_at or time.monotonic() + ctx.retry_window_s
+                if time.monotonic() >= give_up_at:
+                    raise
+                ctx.requeued_samples += len(samples)
+                logger.warning("request for %d sample(s) failed (%s); sending it again", len(samples), exc)
+                await asyncio.sleep(1.0)
+                if ctx.aborting:
+                    for sample in samples:
+                        sample.status = Status.ABORTED
+                    return None
 
 
 def max_new_tokens(args, sample: Sample, sampling_params: dict[str, Any]) -> int:
@@ -366,6 +395,8 @@ async def train_rollout(
             **{f"rollout/dropped_groups/{reason}": count for reason, count in dropped.items()},
         }
     )
+    if ctx.retry_window_s:
+        metrics["fault/requeued_samples"], ctx.requeued_samples = float(ctx.requeued_samples), 0
     metrics["rollout/tokens_per_s"] = metrics["rollout/response_tokens"] / max(
         metrics["rollout/time_s"], 1e-9
     )

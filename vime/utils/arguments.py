@@ -361,6 +361,30 @@ ALGORITHM = [
         ),
     ),
     (
+        "--use-fault-tolerance",
+        dict(
+            action="store_true",
+            help="Replace dead or hung engines during the run: requests in flight on them are sent again, the "
+            "replacement rejoins after the next weight sync.",
+        ),
+    ),
+    (
+        "--rollout-health-check-interval",
+        dict(type=float, default=30.0, help="Seconds between engine health checks (--use-fault-tolerance)."),
+    ),
+    (
+        "--rollout-health-check-timeout",
+        dict(type=float, default=30.0, help="Seconds an engine's /health may take before it counts as hung."),
+    ),
+    (
+        "--rollout-health-check-first-wait",
+        dict(type=float, default=0.0, help="Seconds before the first health check."),
+    ),
+    (
+        "--rollout-max-engine-restarts",
+        dict(type=int, default=3, help="Restarts of one engine before the run stops with its log."),
+    ),
+    (
         "--buffer-filter-path",
         dict(
             default=None,

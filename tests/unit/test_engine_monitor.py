@@ -1,0 +1,83 @@
+"""The fault-tolerance engine monitor with fake engines and router (the real ones: tests/e2e/test_fault_tolerance.py):
+a dead engine is taken out of the router, replaced on its slot, kept out until a weight sync, and an engine that
+keeps dying stops the run with its log."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vime.backends.vllm_utils import engine_monitor
+from vime.backends.vllm_utils.engine_monitor import EngineMonitor
+
+
+class FakeEngine:
+    def __init__(self, url: str, alive: bool = True):
+        self.url, self.alive, self.log_path = url, alive, f"{url}.log"
+        self.started = self.stopped = False
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def log_tail(self, n: int = 40) -> str:
+        return f"last words of {self.url}"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.stopped = True
+
+    def start(self):
+        self.started = True
+        return self
+
+    def wait_ready_sync(self, timeout=None) -> float:
+        return 0.0
+
+
+@pytest.fixture
+def router(monkeypatch):
+    calls = []
+
+    async def unregister(router_url, url):
+        calls.append(("remove", url))
+
+    async def register(router_url, urls):
+        calls.extend(("add", url) for url in urls)
+
+    monkeypatch.setattr(engine_monitor, "unregister_worker", unregister)
+    monkeypatch.setattr(engine_monitor, "register_workers", register)
+    monkeypatch.setattr(EngineMonitor, "_healthy", lambda self, engine: engine.is_alive())
+    return calls
+
+
+def _monitor(engines, max_restarts=3):
+    args = argparse.Namespace(rollout_max_engine_restarts=max_restarts, engine_start_timeout=5)
+    made = []
+
+    def make(slot):
+        made.append(FakeEngine(f"new{slot}.{len(made)}"))
+        return made[-1]
+
+    return EngineMonitor(args, engines, "http://router", make), made
+
+
+def test_a_dead_engine_is_replaced_and_rejoins_after_a_sync(router):
+    engines = [FakeEngine("e0"), FakeEngine("e1", alive=False)]
+    monitor, made = _monitor(engines)
+    monitor.ensure_healthy()
+    assert engines[0].url == "e0" and engines[1] is made[0] and made[0].started
+    assert router == [("remove", "e1")]  # out of the router at once; the replacement not yet in
+    assert monitor.waiting_for_weights == {1} and monitor.metrics()["fault/engine_restarts"] == 1.0
+    monitor.admit_synced()
+    assert router == [("remove", "e1"), ("add", "new1.0")] and monitor.waiting_for_weights == set()
+    monitor.ensure_healthy()  # all healthy: nothing happens
+    assert len(made) == 1
+
+
+def test_an_engine_that_keeps_dying_stops_the_run_with_its_log(router):
+    engines = [FakeEngine("e0", alive=False)]
+    monitor, made = _monitor(engines, max_restarts=1)
+    monitor.ensure_healthy()  # first restart allowed
+    made[0].alive = False
+    with pytest.raises(RuntimeError, match=r"(?s)engine 0 died 2 times .*last words of new0.0"):
+        monitor.ensure_healthy()

@@ -1,0 +1,130 @@
+"""``--use-fault-tolerance``: a health monitor that replaces dead or hung engines (DESIGN.md §4).
+
+A background thread checks every engine each ``--rollout-health-check-interval`` seconds (after
+``--rollout-health-check-first-wait``): its process must be alive and ``GET /health`` must answer 200 within
+``--rollout-health-check-timeout`` seconds, so a hung (e.g. SIGSTOPped) server counts as dead. A dead engine is
+taken out of the router at once, its process group is killed, and a new engine starts on the same GPUs (a new
+port). The new engine holds the initial weights, so it stays out of the router until the next weight sync has
+given it the current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests
+that were in flight on the dead one are sent again by the rollout (``vime.rollout.vllm_rollout``). An engine
+that dies more than ``--rollout-max-engine-restarts`` times stops the run with its log tail.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+
+from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.backends.vllm_utils.router import register_workers, unregister_worker
+from vime.utils.async_utils import run
+
+logger = logging.getLogger(__name__)
+
+
+class EngineMonitor:
+    """Watches ``engines`` (a list it updates in place: slot ``i`` keeps its GPUs) behind the router at
+    ``router_url``; ``make_engine(i)`` builds (not starts) the replacement of slot ``i``."""
+
+    def __init__(
+        self, args, engines: list[VLLMEngine], router_url: str, make_engine: Callable[[int], VLLMEngine]
+    ):
+        self.args = args
+        self.engines = engines
+        self.router_url = router_url
+        self.make_engine = make_engine
+        self.lock = threading.Lock()  # guards self.engines and waiting_for_weights
+        self._replacing = threading.Lock()  # one checker at a time: the thread or ensure_healthy
+        self.waiting_for_weights: set[int] = set()
+        self.restarts = [0] * len(engines)
+        self.fatal: BaseException | None = None
+        self.time_lost_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="vime-engine-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.args.engine_start_timeout + 30)
+
+    def raise_if_fatal(self) -> None:
+        """Re-raise, in the caller's thread, the error that stopped the monitor (a restart loop)."""
+        if self.fatal is not None:
+            raise self.fatal
+
+    def metrics(self) -> dict[str, float]:
+        return {"fault/engine_restarts": float(sum(self.restarts)), "fault/time_lost_s": self.time_lost_s}
+
+    def admit_synced(self) -> None:
+        """After a weight sync reached every engine: the replacements rejoin the router."""
+        with self.lock:
+            slots, self.waiting_for_weights = sorted(self.waiting_for_weights), set()
+            urls = [self.engines[i].url for i in slots]
+        if urls:
+            run(register_workers(self.router_url, urls))
+            logger.info("engines %s rejoined the router with the current weights", urls)
+
+    def ensure_healthy(self) -> None:
+        """Check every engine now and replace the dead ones (before a weight sync, so it reaches live engines)."""
+        self._check_all()
+        self.raise_if_fatal()
+
+    # ------------------------------------------------------------------------------------------ the thread
+    def _watch(self) -> None:
+        if self._stop.wait(self.args.rollout_health_check_first_wait):
+            return
+        while not self._stop.is_set() and self.fatal is None:
+            self._check_all()
+            self._stop.wait(self.args.rollout_health_check_interval)
+
+    def _check_all(self) -> None:
+        with self._replacing:
+            for slot in range(len(self.engines)):
+                if self._stop.is_set() or self.fatal is not None:
+                    return
+                if not self._healthy(self.engines[slot]):
+                    try:
+                        self._replace(slot)
+                    except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
+                        self.fatal = e
+
+    def _healthy(self, engine: VLLMEngine) -> bool:
+        if not engine.is_alive():
+            return False
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(engine.url + "/health", timeout=self.args.rollout_health_check_timeout) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def _replace(self, slot: int) -> None:
+        started = time.monotonic()
+        dead = self.engines[slot]
+        logger.warning("engine %d at %s is dead or hung; replacing it", slot, dead.url)
+        try:
+            run(unregister_worker(self.router_url, dead.url))
+        except Exception as e:  # noqa: BLE001 -- the router may be restarting; the engine is gone anyway
+            logger.warning("could not remove %s from the router: %s", dead.url, e)
+        tail = dead.log_tail(40)
+        dead.stop(grace_s=5.0)
+        self.restarts[slot] += 1
+        if self.restarts[slot] > self.args.rollout_max_engine_restarts:
+            raise RuntimeError(
+                f"engine {slot} died {self.restarts[slot]} times (--rollout-max-engine-restarts "
+                f"{self.args.rollout_max_engine_restarts}); last lines of {dead.log_path}:\n{tail}"
+            )
+        engine = self.make_engine(slot)
+        engine.start()
+        engine.wait_ready_sync()
+        with self.lock:
+            self.engines[slot] = engine
+            self.waiting_for_weights.add(slot)
+        self.time_lost_s += time.monotonic() - started
+        logger.warning("engine %d restarted at %s; it rejoins after the next weight sync", slot, engine.url)
