@@ -1,5 +1,5 @@
 """``--use-fault-tolerance`` end to end on CPU with two real vLLM engines behind the router: the API server of one
-engine is SIGKILLed in the middle of a rollout; the health monitor replaces it, the requests it had in flight are
+engine is SIGKILLed (or SIGSTOPped: hung) in the middle of a rollout; the health monitor replaces it, the requests it had in flight are
 sent again, the replacement rejoins after the next weight sync with the current weights, and the run finishes
 with every prompt trained exactly once and no process left behind."""
 
@@ -23,8 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 4
 
 
-def _kill_one_engine_mid_rollout(marker: str, log_dir: Path, done: threading.Event, killed: list) -> None:
-    """Find the engines' API servers, then SIGKILL one right after rollout 0 is logged (rollout 1 is generating)."""
+def _kill_one_engine_mid_rollout(
+    marker: str, log_dir: Path, done: threading.Event, killed: list, how: signal.Signals
+) -> None:
+    """Find the engines' API servers, then signal one (``how``) right after rollout 0 is logged (rollout 1 is
+    generating)."""
     servers: list[int] = []
     while not done.is_set() and len(servers) < 2:
         servers = [
@@ -36,13 +39,14 @@ def _kill_one_engine_mid_rollout(marker: str, log_dir: Path, done: threading.Eve
     metrics = log_dir / "metrics.jsonl"
     while not done.is_set():
         if metrics.exists() and metrics.read_text().strip():
-            os.kill(servers[0], signal.SIGKILL)
+            os.kill(servers[0], how)
             killed.append(servers[0])
             return
         time.sleep(0.05)
 
 
-def test_a_killed_engine_is_replaced_and_no_sample_is_lost(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_dead_or_hung_engine_is_replaced_and_no_sample_is_lost(tiny_model_dir, tmp_path, how):
     marker = f"ft-{os.getpid()}-{time.time_ns()}"
     log_dir = tmp_path / "logs"
     argv = [
@@ -51,12 +55,12 @@ def test_a_killed_engine_is_replaced_and_no_sample_is_lost(tiny_model_dir, tmp_p
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "96",
         "--rollout-function-path", "bench.fixed_length.generate_rollout",
         "--num-rollout", str(NUM_ROLLOUT), "--lr", "1e-3", "--rollout-num-gpus", "2",
-        "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
+        "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "3",
         "--save-debug-rollout-data", str(tmp_path / "rollouts" / "rollout_{rollout_id}.json"),
         "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "160",
     ]  # fmt: skip
     done, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_one_engine_mid_rollout, args=(marker, log_dir, done, killed))
+    killer = threading.Thread(target=_kill_one_engine_mid_rollout, args=(marker, log_dir, done, killed, how))
     killer.start()
     try:
         result = subprocess.run(
