@@ -1,5 +1,5 @@
 """``--use-fault-tolerance`` end to end on CPU with two real vLLM engines behind the router: the API server of one
-engine is SIGKILLed (or SIGSTOPped: hung) in the middle of a rollout; the health monitor replaces it, the requests it had in flight are
+engine is SIGKILLed (or SIGSTOPped: hung; or the router is SIGKILLed) in the middle of a rollout; the health monitor replaces it, the requests it had in flight are
 sent again, the replacement rejoins after the next weight sync with the current weights, and the run finishes
 with every prompt trained exactly once and no process left behind."""
 
@@ -23,34 +23,48 @@ REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 4
 
 
-def _kill_one_engine_mid_rollout(
-    marker: str, log_dir: Path, done: threading.Event, killed: list, how: signal.Signals
+def _signal_mid_rollout(
+    marker: str, log_dir: Path, done: threading.Event, killed: list, target: str, how: signal.Signals
 ) -> None:
-    """Find the engines' API servers, then signal one (``how``) right after rollout 0 is logged (rollout 1 is
-    generating)."""
-    servers: list[int] = []
-    while not done.is_set() and len(servers) < 2:
-        servers = [
+    """Find the engines' API servers (or the router), then signal one (``how``) right after rollout 0 is logged
+    (rollout 1 is generating)."""
+    wanted, pids = (
+        (2, "vllm.entrypoints.openai.api_server") if target == "engine" else (1, "vllm::router"),
+        [],
+    )
+    while not done.is_set() and len(pids) < wanted[0]:
+        pids = [
             int(line.split(" ", 1)[0])
             for line in marked_processes(marker)
-            if "vllm.entrypoints.openai.api_server" in line and "process_guard" not in line
+            if wanted[1] in line and "process_guard" not in line
         ]
         time.sleep(0.5)
     metrics = log_dir / "metrics.jsonl"
     while not done.is_set():
         if metrics.exists() and metrics.read_text().strip():
-            os.kill(servers[0], how)
-            killed.append(servers[0])
+            os.kill(pids[0], how)
+            killed.append(pids[0])
             return
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_a_dead_or_hung_engine_is_replaced_and_no_sample_is_lost(tiny_model_dir, tmp_path, how):
+@pytest.mark.parametrize(
+    ("script", "target", "how"),
+    [
+        ("train.py", "engine", signal.SIGKILL),
+        ("train.py", "engine", signal.SIGSTOP),
+        ("train_async.py", "engine", signal.SIGKILL),
+        ("train.py", "router", signal.SIGKILL),
+    ],
+    ids=["engine-killed", "engine-hung", "engine-killed-async", "router-killed"],
+)
+def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
+    tiny_model_dir, tmp_path, script, target, how
+):
     marker = f"ft-{os.getpid()}-{time.time_ns()}"
     log_dir = tmp_path / "logs"
     argv = [
-        sys.executable, str(REPO / "train.py"), "--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir),
+        sys.executable, str(REPO / script), "--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir),
         "--prompt-data", str(tiny_model_dir / "train.jsonl"), "--rm-type", "exact",
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "96",
         "--rollout-function-path", "bench.fixed_length.generate_rollout",
@@ -60,7 +74,7 @@ def test_a_dead_or_hung_engine_is_replaced_and_no_sample_is_lost(tiny_model_dir,
         "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "160",
     ]  # fmt: skip
     done, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_one_engine_mid_rollout, args=(marker, log_dir, done, killed, how))
+    killer = threading.Thread(target=_signal_mid_rollout, args=(marker, log_dir, done, killed, target, how))
     killer.start()
     try:
         result = subprocess.run(
@@ -78,11 +92,12 @@ def test_a_dead_or_hung_engine_is_replaced_and_no_sample_is_lost(tiny_model_dir,
         f"\n== {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(log_dir.glob("*.log"))
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:] + logs
-    assert killed, "no engine API server was found to kill"
+    assert killed, f"no {target} process was found to signal"
     records = [r for r in read_metrics(log_dir) if "rollout/reward_mean" in r]
     assert [r["rollout_id"] for r in records] == list(range(NUM_ROLLOUT))
-    assert max(r["fault/engine_restarts"] for r in records) == 1, records
-    assert any(p.name.endswith(".restart1.log") for p in log_dir.glob("engine_*.log"))
+    restarts = "fault/engine_restarts" if target == "engine" else "fault/router_restarts"
+    assert max(r[restarts] for r in records) == 1, records
+    assert any(p.name.endswith(".restart1.log") for p in log_dir.glob(f"{target}*.log"))
 
     # requests in flight on the killed engine were sent again: by vllm-router itself (it retries a request whose
     # worker connection broke) or by the rollout (fault/requeued_samples); either way none is lost or doubled
@@ -97,9 +112,10 @@ def test_a_dead_or_hung_engine_is_replaced_and_no_sample_is_lost(tiny_model_dir,
         prompts += [g[0]["metadata"]["prompt_index"] for g in groups]
     assert len(prompts) == len(set(prompts)) == 16 * NUM_ROLLOUT
 
-    # the replacement served the last rollouts with the trained weights: log-probs agree with the trainer's
-    replacement = next(log_dir.glob("engine_*.restart1.log")).read_text(errors="replace")
-    assert "POST /v1/completions" in replacement
+    # a replaced engine served the last rollouts with the trained weights: log-probs agree with the trainer's
+    if target == "engine":
+        replacement = next(log_dir.glob("engine_*.restart1.log")).read_text(errors="replace")
+        assert "POST /v1/completions" in replacement
     assert records[-1]["train/train_rollout_logprob_abs_diff"] < 1e-3, records[-1]
     assert wait_until_no_marked_processes(marker, timeout=30) == []
     assert not [

@@ -95,7 +95,7 @@ class RolloutManager:
             self.shutdown()
             raise
         if self.args.use_fault_tolerance:
-            self.monitor = EngineMonitor(self.args, self.engines, router_url, self._make_engine)
+            self.monitor = EngineMonitor(self.args, self.engines, router_url, self._make_engine, self.router)
             self.monitor.start()
         host, port = router_url.removeprefix("http://").rsplit(":", 1)
         self.args.vllm_router_ip, self.args.vllm_router_port = host, int(port)
@@ -227,6 +227,7 @@ class RolloutManager:
         """Close the rollout's HTTP sessions, stop the router (if vime started it) and every engine."""
         if self.monitor is not None:
             self.monitor.stop()
+            self.router = self.monitor.router if self.router is not None else None  # a restarted one
         run(close_contexts())
         if self.router is not None:
             self.router.stop()

@@ -7,7 +7,8 @@ taken out of the router at once, its process group is killed, and a new engine s
 port). The new engine holds the initial weights, so it stays out of the router until the next weight sync has
 given it the current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests
 that were in flight on the dead one are sent again by the rollout (``vime.rollout.vllm_rollout``). An engine
-that dies more than ``--rollout-max-engine-restarts`` times stops the run with its log tail.
+that dies more than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router that vime
+started and that dies is restarted on its address with every admitted engine.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from vime.backends.vllm_utils.engine import VLLMEngine
-from vime.backends.vllm_utils.router import register_workers, unregister_worker
+from vime.backends.vllm_utils.engine import ServerProcess, VLLMEngine
+from vime.backends.vllm_utils.router import RouterProcess, register_workers, unregister_worker
 from vime.utils.async_utils import run
 
 logger = logging.getLogger(__name__)
@@ -30,11 +31,18 @@ class EngineMonitor:
     ``router_url``; ``make_engine(i)`` builds (not starts) the replacement of slot ``i``."""
 
     def __init__(
-        self, args, engines: list[VLLMEngine], router_url: str, make_engine: Callable[[int], VLLMEngine]
+        self,
+        args,
+        engines: list[VLLMEngine],
+        router_url: str,
+        make_engine: Callable[[int], VLLMEngine],
+        router: RouterProcess | None = None,
     ):
         self.args = args
         self.engines = engines
         self.router_url = router_url
+        self.router = router  # the router vime started (None: an external one, not restarted)
+        self.router_restarts = 0
         self.make_engine = make_engine
         self.lock = threading.Lock()  # guards self.engines and waiting_for_weights
         self._replacing = threading.Lock()  # one checker at a time: the thread or ensure_healthy
@@ -59,7 +67,11 @@ class EngineMonitor:
             raise self.fatal
 
     def metrics(self) -> dict[str, float]:
-        return {"fault/engine_restarts": float(sum(self.restarts)), "fault/time_lost_s": self.time_lost_s}
+        return {
+            "fault/engine_restarts": float(sum(self.restarts)),
+            "fault/router_restarts": float(self.router_restarts),
+            "fault/time_lost_s": self.time_lost_s,
+        }
 
     def admit_synced(self) -> None:
         """After a weight sync reached every engine: the replacements rejoin the router."""
@@ -85,6 +97,12 @@ class EngineMonitor:
 
     def _check_all(self) -> None:
         with self._replacing:
+            if self.router is not None and not self._healthy(self.router, "/liveness"):
+                try:
+                    self._restart_router()
+                except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
+                    self.fatal = e
+                    return
             for slot in range(len(self.engines)):
                 if self._stop.is_set() or self.fatal is not None:
                     return
@@ -94,15 +112,37 @@ class EngineMonitor:
                     except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                         self.fatal = e
 
-    def _healthy(self, engine: VLLMEngine) -> bool:
-        if not engine.is_alive():
+    def _healthy(self, server: ServerProcess, path: str = "/health") -> bool:
+        if not server.is_alive():
             return False
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         try:
-            with opener.open(engine.url + "/health", timeout=self.args.rollout_health_check_timeout) as resp:
+            with opener.open(server.url + path, timeout=self.args.rollout_health_check_timeout) as resp:
                 return resp.status == 200
         except OSError:
             return False
+
+    def _restart_router(self) -> None:
+        """A dead router comes back on its address (the rollout keeps its URL) with every admitted engine."""
+        started, dead = time.monotonic(), self.router
+        logger.warning("the router at %s is dead or hung; restarting it", dead.url)
+        dead.stop(grace_s=5.0)
+        self.router_restarts += 1
+        if self.router_restarts > self.args.rollout_max_engine_restarts:
+            raise RuntimeError(
+                f"the router died {self.router_restarts} times; last lines of {dead.log_path}:\n{dead.log_tail(40)}"
+            )
+        router = RouterProcess(
+            self.args, host=dead.host, port=dead.port,
+            log_path=dead.log_path.with_name(f"router.restart{self.router_restarts}.log"),
+        )  # fmt: skip
+        router.start()
+        router.wait_ready_sync()
+        self.router = router
+        with self.lock:
+            urls = [e.url for i, e in enumerate(self.engines) if i not in self.waiting_for_weights]
+        run(register_workers(self.router_url, urls))
+        self.time_lost_s += time.monotonic() - started
 
     def _replace(self, slot: int) -> None:
         started = time.monotonic()
