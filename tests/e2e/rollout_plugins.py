@@ -9,14 +9,25 @@ from vime.rollout.filter_hub.base_types import DynamicFilterOutput
 from vime.rollout.vllm_rollout import append_response, generate, generate_rollout
 from vime.utils.types import Status
 
+ODD_GROUP_TOKENS = 400
+
 
 async def slow_odd_groups(args, sample, sampling_params):
-    """Odd groups generate long (no EOS), even groups two tokens: odd ones are in flight when the batch fills."""
-    if sample.group_index % 2:
-        sampling_params.update(ignore_eos=True, max_tokens=400)
-    else:
+    """Odd groups generate long (no EOS) in 10-token requests, even groups two tokens: odd ones are still in flight
+    when the batch fills. Each chunk needs this client again, so a client starved of CPU (the engine busy-waits on
+    every core of a 2-core machine) slows the odd groups as much as the even ones instead of letting the server
+    finish 400 tokens while the even results wait to be read."""
+    if sample.group_index % 2 == 0:
         sampling_params.update(max_tokens=2)
-    return await generate(args, sample, sampling_params)
+        return await generate(args, sample, sampling_params)
+    sampling_params.update(ignore_eos=True)
+    if sample.status == Status.ABORTED:  # a partial response resumed from the buffer
+        sample.status = Status.PENDING
+    while sample.status in (Status.PENDING, Status.TRUNCATED) and sample.response_length < ODD_GROUP_TOKENS:
+        sample.status = Status.PENDING  # a finished chunk (TRUNCATED at its length) goes on
+        sampling_params["max_tokens"] = min(sample.response_length + 10, ODD_GROUP_TOKENS)
+        await generate(args, sample, sampling_params)
+    return sample
 
 
 def keep_even_groups(args, samples):
