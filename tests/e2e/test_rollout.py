@@ -117,7 +117,12 @@ def test_over_sampling_with_filter_keeps_exactly_b_groups_and_aborts_the_rest(ma
     statuses = [(g[0].group_index, [(s.status.value, s.response_length) for s in g]) for g in returned]
     assert aborted, f"the slow groups should have been in flight when the batch filled: {statuses}"
     for s in aborted:  # partial responses keep tokens and log-probs aligned, for resuming
-        assert len(s.rollout_log_probs) == s.response_length == len(s.loss_mask) < rollout_plugins.ODD_GROUP_TOKENS
+        assert (
+            len(s.rollout_log_probs)
+            == s.response_length
+            == len(s.loss_mask)
+            < rollout_plugins.ODD_GROUP_TOKENS
+        )
     assert elapsed < 60
 
 
