@@ -1,0 +1,168 @@
+"""``--vllm-config``: parsing, resolution against the command line, and errors that name the entry and the fix."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+import pytest
+
+from vime.backends.vllm_utils.server_config import (
+    VLLMConfigError,
+    default_config,
+    load_vllm_config,
+    vllm_flag_tokens,
+)
+
+
+def cli(**overrides) -> argparse.Namespace:
+    values = dict(
+        hf_checkpoint="/ckpt/actor", rollout_num_gpus=4, rollout_num_gpus_per_engine=1, num_gpus_per_node=8
+    )
+    return argparse.Namespace(**(values | overrides))
+
+
+def load(tmp_path, text: str, **overrides):
+    path = tmp_path / "vllm.yaml"
+    path.write_text(textwrap.dedent(text))
+    return load_vllm_config(path, cli(**overrides))
+
+
+def test_policy_teacher_and_reward_models_resolve_with_defaults(tmp_path):
+    config = load(
+        tmp_path,
+        """
+        vllm:
+          - name: actor
+            server_groups:
+              - {worker_type: regular, num_gpus: 2}
+          - name: teacher
+            role: teacher
+            model_path: /ckpt/teacher
+            num_gpus_per_engine: 1
+            server_groups:
+              - num_gpus: 1
+                overrides: {max_model_len: 4096, enforce_eager: true}
+          - name: judge
+            role: reward
+            model_path: /ckpt/judge
+            server_groups:
+              - {worker_type: regular, num_gpus: 1}
+        """,
+    )
+    actor, teacher, judge = config.models
+    assert config.policy is actor and actor.role == "policy" and actor.update_weights
+    assert actor.model_path == "/ckpt/actor" and actor.num_engines == 2
+    assert teacher.role == "teacher" and not teacher.update_weights and teacher.model_path == "/ckpt/teacher"
+    assert teacher.server_groups[0].override_args() == ["--max-model-len=4096", "--enforce-eager"]
+    assert judge.role == "reward" and config.model("judge") is judge
+
+
+def test_slimes_inference_of_the_policy_from_the_model_path(tmp_path):
+    config = load(
+        tmp_path,
+        """
+        vllm:
+          - name: ref
+            model_path: /ckpt/ref
+            server_groups: [{worker_type: regular, num_gpus: 2}]
+          - name: actor
+            model_path: /ckpt/actor
+            server_groups: [{worker_type: regular, num_gpus: 2}]
+        """,
+    )
+    assert [m.role for m in config.models] == ["reference", "policy"]
+    assert config.policy.name == "actor"
+
+
+def test_placeholder_groups_count_gpus_but_start_no_engine(tmp_path):
+    config = load(
+        tmp_path,
+        """
+        vllm:
+          - name: actor
+            server_groups:
+              - {worker_type: regular, num_gpus: 2, num_gpus_per_engine: 2}
+              - {worker_type: placeholder, num_gpus: 2}
+        """,
+    )
+    assert config.policy.num_gpus == 4 and config.policy.num_engines == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("vllm: []", "top-level 'vllm:' list"),
+        ("sglang: [{name: a}]", "top-level 'vllm:' list"),
+        ("vllm: [{server_groups: [{num_gpus: 4}]}]", "'name' (a non-empty string) is required"),
+        ("vllm: [{name: a, server_groups: [{num_gpus: 3}]}]", "hold 3 GPUs but --rollout-num-gpus is 4"),
+        (
+            "vllm: [{name: a, server_groups: [{num_gpus: 4, worker_type: prefill}]}]",
+            "disaggregation is not supported",
+        ),
+        (
+            "vllm: [{name: a, server_groups: [{num_gpus: 4, worker_type: gpu}]}]",
+            "worker_type 'gpu' is not one of",
+        ),
+        ("vllm: [{name: a, server_groups: [{num_gpus: 4, num_gpus_per_engine: 3}]}]", "not a multiple of"),
+        ("vllm: [{name: a, server_groups: [{num_gpus: 0}]}]", "num_gpus must be a positive integer"),
+        ("vllm: [{name: a, server_groups: [{num_gpus: 4, tp: 2}]}]", "unknown key(s) ['tp']"),
+        ("vllm: [{name: a, role: critic, server_groups: [{num_gpus: 4}]}]", "role 'critic' is not one of"),
+        (
+            "vllm: [{name: a, server_groups: [{num_gpus: 2}]}, {name: a, server_groups: [{num_gpus: 2}]}]",
+            "names must be unique",
+        ),
+        (
+            "vllm: [{name: a, model_path: /x, server_groups: [{num_gpus: 4}]}]",
+            "exactly one model must be the policy",
+        ),
+        (
+            "vllm: [{name: a, role: teacher, update_weights: true, server_groups: [{num_gpus: 4}]}]",
+            "only the policy model is weight-synced",
+        ),
+        (
+            "vllm: [{name: a, server_groups: [{num_gpus: 4, overrides: {max_modl_len: 9}}]}]",
+            "did you mean --max-model-len",
+        ),
+        ("vllm: [{name: a, server_groups: [{num_gpus: 4, overrides: {port: 9}}]}]", "vime sets this itself"),
+        (
+            "vllm: [{name: a, server_groups: [{num_gpus: 4, overrides: {max_model_len: many}}]}]",
+            "invalid value 'many'",
+        ),
+        ("vllm: [{name: a, server_groups: [{num_gpus: 4, overrides: {enforce_eager: 1}}]}]", "is a switch"),
+        (
+            "vllm: [{name: a, server_groups: [{num_gpus: 4, worker_type: placeholder}]}]",
+            "all are placeholders",
+        ),
+    ],
+)
+def test_bad_configs_are_refused_with_the_entry_and_the_reason(tmp_path, text, message):
+    with pytest.raises(VLLMConfigError) as info:
+        load(tmp_path, text)
+    assert message in str(info.value) and str(tmp_path / "vllm.yaml") in str(info.value)
+
+
+def test_an_engine_larger_than_a_node_is_refused(tmp_path):
+    with pytest.raises(VLLMConfigError, match="exceeds --num-gpus-per-node 2"):
+        load(
+            tmp_path,
+            "vllm: [{name: a, server_groups: [{num_gpus: 4, num_gpus_per_engine: 4}]}]",
+            num_gpus_per_node=2,
+        )
+
+
+def test_a_missing_file_says_so(tmp_path):
+    with pytest.raises(VLLMConfigError, match="no such file"):
+        load_vllm_config(tmp_path / "absent.yaml", cli())
+
+
+def test_flag_values_keep_their_types_on_the_command_line():
+    tokens = vllm_flag_tokens(
+        {"gpu_memory_utilization": 0.5, "enable_prefix_caching": False, "dtype": "float32"}
+    )
+    assert tokens == ["--gpu-memory-utilization=0.5", "--no-enable-prefix-caching", "--dtype=float32"]
+
+
+def test_without_a_config_the_policy_takes_every_rollout_gpu():
+    config = default_config(cli(rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
+    assert config.policy.num_engines == 2 and config.policy.model_path == "/ckpt/actor"
