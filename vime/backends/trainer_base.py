@@ -10,13 +10,15 @@ and ``_train_step``; the FSDP2 and Megatron trainers both mix it in.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from vime.backends.routing_plan import RoutingPlan
 from vime.utils.loss import make_reducer, policy_loss, sft_loss
 from vime.utils.memory_plan import (
     GIB,
@@ -30,6 +32,7 @@ from vime.utils.misc import load_function
 from vime.utils.mismatch import STAT_KEYS, mismatch_metrics, mismatch_statistics
 from vime.utils.offload import GPUOffloader, torch_optimizers
 from vime.utils.ppo_utils import apply_opd_kl
+from vime.utils.routing_replay import ReplayMode, RoutingReplay
 from vime.utils.train_data import (
     PackedBatch,
     compute_advantages_and_returns,
@@ -95,15 +98,19 @@ class TrainerBase:
             raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
         masks = [loss_mask_of(s) for s in samples]
         extra: dict[str, float] = {}
-        if self.role == "critic":
-            values = values if values is not None else self.compute_values(samples)
-            _, returns = self._advantages_and_returns(
-                samples, rewards, masks, log_probs, ref_log_probs, values
-            )
-            data = {"old_values": values, "returns": returns}
-        else:
-            data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
-        metrics = self._optimize(rollout_id, samples, masks, data)
+        try:
+            if self.role == "critic":
+                values = values if values is not None else self.compute_values(samples)
+                _, returns = self._advantages_and_returns(
+                    samples, rewards, masks, log_probs, ref_log_probs, values
+                )
+                data = {"old_values": values, "returns": returns}
+            else:
+                data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
+            metrics = self._optimize(rollout_id, samples, masks, data)
+        finally:
+            if self.routing is not None:  # the recorded routing belongs to this step only
+                self.routing.clear()
         metrics.update(extra)
         interval = getattr(self.args, "ref_update_interval", None)
         if (
@@ -158,6 +165,54 @@ class TrainerBase:
             self.advantage_fn = load_function(
                 args.custom_advantage_function_path, "--custom-advantage-function-path"
             )
+
+    routing: RoutingPlan | None = None
+
+    def _init_routing_replay(
+        self, num_layers: int, topk: int, num_experts: int | None, attach: Callable[[Any, RoutingReplay], Any]
+    ) -> None:
+        """``--use-routing-replay`` / ``--use-rollout-routing-replay`` (actor only, as in slime): hook the routers of
+        the policy (and, with R3, of the reference model) to one :class:`RoutingPlan`, with ``attach(module,
+        replay)``; the model has ``num_layers`` decoder layers of which the MoE ones route to ``topk`` of
+        ``num_experts`` experts."""
+        args = self.args
+        self.routing = None
+        if self.role != "actor" or not args.use_routing_replay:
+            return
+        if not num_experts:
+            flag = (
+                "--use-rollout-routing-replay" if args.use_rollout_routing_replay else "--use-routing-replay"
+            )
+            raise ValueError(
+                f"{flag} replays the experts a Mixture-of-Experts model's routers choose, but {args.hf_checkpoint} "
+                "is a dense model (its config has no experts); drop the flag"
+            )
+        self.routing = RoutingPlan(args, num_layers, topk, num_experts)
+        attach(self._trained_module(), self.routing.replay)
+        if self.ref_model is not None and args.use_rollout_routing_replay:
+            attach(self.ref_model, self.routing.replay)
+
+    def _pass_routing(self, model: str, samples: list[Sample]) -> tuple[ReplayMode, list | None]:
+        """Routing-replay mode and per-sample routes of a forward-only pass of ``model`` over ``samples``."""
+        if self.routing is None:
+            return ReplayMode.OFF, None
+        return self.routing.for_pass(model, samples)
+
+    @contextmanager
+    def _routing_pass(self, mode: ReplayMode) -> Iterator[RoutingReplay | None]:
+        """The routers record or replay in ``mode`` inside the block (a pass over micro-batches that the block
+        pushes in order); yields the :class:`RoutingReplay`, or None when the routers route freely."""
+        if self.routing is None or mode is ReplayMode.OFF:
+            yield None
+            return
+        replay = self.routing.replay
+        replay.start(mode)
+        try:
+            yield replay
+        except BaseException:
+            replay.stop(check=False)
+            raise
+        replay.stop()
 
     def _entropy_needs_grad(self) -> bool:
         """Whether the loss differentiates the entropy: ``--entropy-coef``, or a custom loss (it may)."""
@@ -307,16 +362,18 @@ class TrainerBase:
     def _micro_batch_inputs(
         self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None], device: torch.device
     ) -> tuple[list[tuple[list[int], PackedBatch, dict[str, Any]]], float]:
-        """For one optimizer step: each micro-batch's sample indices, packed tokens and loss inputs (``batch`` of
-        :func:`~vime.utils.loss.policy_loss`, with a ``reduce`` normalised by the global sample and token counts),
-        and the step's total token count over all data-parallel ranks."""
+        """For one optimizer step: each micro-batch's sample indices, packed tokens (with the experts to replay, under
+        routing replay) and loss inputs (``batch`` of :func:`~vime.utils.loss.policy_loss`, with a ``reduce``
+        normalised by the global sample and token counts), and the step's total token count over all data-parallel
+        ranks."""
         args = self.args
         num_samples, num_tokens, total_tokens = self._reduce_sum(
             [len(samples), float(sum(m.sum() for m in masks)), sum(len(s.tokens) for s in samples)]
         )
+        routes = self.routing.for_training(samples) if self.routing is not None else None
         inputs = []
         for mb in self._micro_batches(samples):
-            packed = pack_samples([samples[i] for i in mb])
+            packed = pack_samples([samples[i] for i in mb], [routes[i] for i in mb] if routes else None)
             mask = torch.cat([masks[i] for i in mb]).to(device)
             batch: dict[str, Any] = {
                 "response_lengths": packed.response_lengths,
