@@ -14,6 +14,9 @@ always come from the trainer's own router logits.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,3 +113,48 @@ class RoutingPlan:
                     "position that predicts a trained response token"
                 )
         return route
+
+
+def make_routing_plan(
+    args: argparse.Namespace,
+    role: str,
+    models: tuple[Any, Any | None],
+    num_layers: int,
+    topk: int,
+    num_experts: int | None,
+    attach: Callable[[Any, RoutingReplay], Any],
+) -> RoutingPlan | None:
+    """The actor's plan (None for the critic, as in slime, or without the flags): the routers of the policy and,
+    with R3, of the reference model (``models``) hooked with ``attach(module, replay)``. The model has
+    ``num_layers`` decoder layers; its MoE ones route each token to ``topk`` of ``num_experts`` experts."""
+    if role != "actor" or not args.use_routing_replay:
+        return None
+    if not num_experts:
+        flag = "--use-rollout-routing-replay" if args.use_rollout_routing_replay else "--use-routing-replay"
+        raise ValueError(
+            f"{flag} replays the experts a Mixture-of-Experts model's routers choose, but {args.hf_checkpoint} is "
+            "a dense model (its config has no experts); drop the flag"
+        )
+    plan = RoutingPlan(args, num_layers, topk, num_experts)
+    policy, reference = models
+    attach(policy, plan.replay)
+    if reference is not None and args.use_rollout_routing_replay:
+        attach(reference, plan.replay)
+    return plan
+
+
+@contextmanager
+def routing_pass(plan: RoutingPlan | None, mode: ReplayMode) -> Iterator[RoutingReplay | None]:
+    """The routers record or replay in ``mode`` inside the block (one pass over micro-batches, which the block
+    pushes in the order the model runs them); yields the :class:`RoutingReplay`, or None to route freely."""
+    if plan is None or mode is ReplayMode.OFF:
+        yield None
+        return
+    replay = plan.replay
+    replay.start(mode)
+    try:
+        yield replay
+    except BaseException:
+        replay.stop(check=False)
+        raise
+    replay.stop()

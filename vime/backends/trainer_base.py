@@ -10,15 +10,14 @@ and ``_train_step``; the FSDP2 and Megatron trainers both mix it in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from vime.backends.routing_plan import RoutingPlan
+from vime.backends.routing_plan import RoutingPlan, make_routing_plan, routing_pass
 from vime.utils.loss import make_reducer, policy_loss, sft_loss
 from vime.utils.memory_plan import (
     GIB,
@@ -78,6 +77,7 @@ class TrainerBase:
     """Backend-neutral training; see the module docstring. ``role`` is ``"actor"`` or ``"critic"``."""
 
     role = "actor"
+    routing: RoutingPlan | None = None  # routing replay of the actor's MoE routers (_init_routing_replay)
 
     def train(
         self,
@@ -166,53 +166,20 @@ class TrainerBase:
                 args.custom_advantage_function_path, "--custom-advantage-function-path"
             )
 
-    routing: RoutingPlan | None = None
-
     def _init_routing_replay(
         self, num_layers: int, topk: int, num_experts: int | None, attach: Callable[[Any, RoutingReplay], Any]
     ) -> None:
-        """``--use-routing-replay`` / ``--use-rollout-routing-replay`` (actor only, as in slime): hook the routers of
-        the policy (and, with R3, of the reference model) to one :class:`RoutingPlan`, with ``attach(module,
-        replay)``; the model has ``num_layers`` decoder layers of which the MoE ones route to ``topk`` of
-        ``num_experts`` experts."""
-        args = self.args
-        self.routing = None
-        if self.role != "actor" or not args.use_routing_replay:
-            return
-        if not num_experts:
-            flag = (
-                "--use-rollout-routing-replay" if args.use_rollout_routing_replay else "--use-routing-replay"
-            )
-            raise ValueError(
-                f"{flag} replays the experts a Mixture-of-Experts model's routers choose, but {args.hf_checkpoint} "
-                "is a dense model (its config has no experts); drop the flag"
-            )
-        self.routing = RoutingPlan(args, num_layers, topk, num_experts)
-        attach(self._trained_module(), self.routing.replay)
-        if self.ref_model is not None and args.use_rollout_routing_replay:
-            attach(self.ref_model, self.routing.replay)
+        """``--use-routing-replay`` / ``--use-rollout-routing-replay``: ``self.routing`` (see :func:`make_routing_plan`)."""
+        models = (self._trained_module(), self.ref_model)
+        self.routing = make_routing_plan(self.args, self.role, models, num_layers, topk, num_experts, attach)
 
     def _pass_routing(self, model: str, samples: list[Sample]) -> tuple[ReplayMode, list | None]:
         """Routing-replay mode and per-sample routes of a forward-only pass of ``model`` over ``samples``."""
-        if self.routing is None:
-            return ReplayMode.OFF, None
-        return self.routing.for_pass(model, samples)
+        return self.routing.for_pass(model, samples) if self.routing else (ReplayMode.OFF, None)
 
-    @contextmanager
-    def _routing_pass(self, mode: ReplayMode) -> Iterator[RoutingReplay | None]:
-        """The routers record or replay in ``mode`` inside the block (a pass over micro-batches that the block
-        pushes in order); yields the :class:`RoutingReplay`, or None when the routers route freely."""
-        if self.routing is None or mode is ReplayMode.OFF:
-            yield None
-            return
-        replay = self.routing.replay
-        replay.start(mode)
-        try:
-            yield replay
-        except BaseException:
-            replay.stop(check=False)
-            raise
-        replay.stop()
+    def _routing_pass(self, mode: ReplayMode):
+        """Context: the routers record or replay in ``mode`` (see :func:`routing_pass`)."""
+        return routing_pass(self.routing, mode)
 
     def _entropy_needs_grad(self) -> bool:
         """Whether the loss differentiates the entropy: ``--entropy-coef``, or a custom loss (it may)."""
