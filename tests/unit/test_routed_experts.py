@@ -92,6 +92,10 @@ def test_a_choice_without_routing_or_with_the_wrong_rows_fails():
         _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], None))
     with pytest.raises(ValueError, match="routed experts for 4 tokens, expected 2"):
         _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(4)))
+    with pytest.raises(ValueError, match="routed experts for 1 tokens, expected 2"):
+        _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(1)))
+    aborted = _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(1), finish="abort"))
+    assert len(aborted.rollout_routed_experts) == 1  # a prefix; the continuation returns them all
     plain = argparse.Namespace(weight_version=0, use_rollout_routing_replay=False)
     assert (
         _apply_choice(plain, Sample(index=0, tokens=[5, 6]), choice([8], None)).rollout_routed_experts is None

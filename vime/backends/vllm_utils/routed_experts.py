@@ -42,15 +42,17 @@ def engine_options(on_gpu: bool) -> tuple[list[str], dict[str, str]]:
 
 def apply_choice_routing(sample: Sample, choice: dict[str, Any]) -> bool:
     """Keep ``choice["routed_experts"]`` as ``sample.rollout_routed_experts`` (call after the choice's tokens were
-    appended to the sample); returns whether the choice had any. The rows must cover every token but the last."""
+    appended to the sample); returns whether the choice had any. They must cover every token but the last (an
+    aborted request's may cover fewer: the sample is continued later, and that request returns them all)."""
     value = choice.get("routed_experts")
     if value is None:
         return False
     experts = routed_experts.decode(value)
-    if len(experts) != len(sample.tokens) - 1:
+    expected = len(sample.tokens) - 1
+    if len(experts) > expected or (len(experts) < expected and choice.get("finish_reason") != "abort"):
         raise ValueError(
             f"sample {sample.index}: the engine returned routed experts for {len(experts)} tokens, expected "
-            f"{len(sample.tokens) - 1} (all {len(sample.tokens)} tokens but the last)"
+            f"{expected} (all {len(sample.tokens)} tokens but the last)"
         )
     sample.rollout_routed_experts = experts
     return True
