@@ -4,7 +4,9 @@
   training forwards and backwards of the step replay exactly those (the reference model routes on its own).
 - ``--use-rollout-routing-replay`` (R3, implies the flag above): every actor forward of the step (old
   log-probs, the reference model's, training) replays the experts the rollout engine used, which the samples
-  carry as ``Sample.rollout_routed_experts``. The teacher (``--opd-kl-coef``) always routes on its own.
+  carry as ``Sample.rollout_routed_experts``. slime routes the reference model on its own even then; vime replays
+  it too, so that the KL term compares the two models on the same experts. The teacher (``--opd-kl-coef``), a
+  model of its own, always routes on its own.
 
 Replayed experts cover every token the engine ran (prompt and response, as slime replays them); a sample's last
 token, which the engine never fed back, routes on the trainer's choice (its output predicts nothing). Gate weights

@@ -3,9 +3,9 @@
 
 A :class:`RoutingReplay` sits between a model's MoE routers and the top-k choice each makes. A backend hooks every
 router to :meth:`RoutingReplay.choose` (HF routers in ``fsdp_utils.routing_replay``, Megatron-Core's in
-``megatron_utils.routing_replay``) and, before each micro-batch's forward, :meth:`RoutingReplay.push` es that
-micro-batch's routing (:class:`MicroBatchRouting`, packed from per-sample arrays by ``train_data.pack_samples``).
-Then in
+``megatron_utils.routing_replay``) and, before each micro-batch's forward, hands that micro-batch's routing to
+:meth:`RoutingReplay.push` (:class:`MicroBatchRouting`, packed from per-sample arrays by
+``train_data.pack_samples``). Then in
 
 - ``record`` mode each router keeps its own choice (:meth:`RoutingReplay.recorded`);
 - ``replay`` mode each router uses the pushed experts for the tokens the micro-batch's mask marks and its own
