@@ -9,7 +9,8 @@ weights as it always does (softmax over the top-k logits, or the pre-softmax / s
 chosen experts, renormalised and scaled as configured), so the weights come from the trainer's own logits.
 
 Each router sees this rank's tokens: its context-parallel share of the packed row, split again over the
-tensor-parallel ranks with sequence parallelism (``PackedLayout.local_rows``).
+tensor-parallel ranks with sequence parallelism (:func:`local_routing`; recordings go back with
+:func:`full_row_routing`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 
-from vime.utils.routing_replay import RoutingReplay
+from vime.backends.megatron_utils.packed_layout import PackedLayout
+from vime.utils.routing_replay import MicroBatchRouting, RoutingReplay
 
 
 class ReplayTopK:
@@ -64,3 +68,37 @@ def attach_routing_replay(module: torch.nn.Module, replay: RoutingReplay) -> lis
         router.router_replay = ReplayTopK(replay, layer)
         layers.append(layer)
     return sorted(layers)
+
+
+def _sequence_parallel_size(sequence_parallel: bool) -> int:
+    """TP ranks that split the sequence between layers (each router sees its slice): TP with SP, else 1."""
+    return parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+
+
+def local_routing(
+    layout: PackedLayout, routing: MicroBatchRouting | None, sequence_parallel: bool
+) -> MicroBatchRouting | None:
+    """A packed micro-batch's experts to replay -> the rows this rank's routers see (CP share, SP slice), on the
+    GPU."""
+    if routing is None:
+        return None
+    tp, tp_rank = _sequence_parallel_size(sequence_parallel), parallel_state.get_tensor_model_parallel_rank()
+    return MicroBatchRouting(
+        layout.local_rows(routing.experts, tp, tp_rank).cuda(),
+        layout.local_rows(routing.mask, tp, tp_rank).cuda(),
+    )
+
+
+def full_row_routing(layout: PackedLayout, local: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """Inverse of :func:`local_routing` for experts recorded on this rank's rows: gathered over the SP slices and the
+    CP ranks -> the micro-batch's packed row [tokens, layers, topk] (collective over TP and CP)."""
+    groups = []
+    if _sequence_parallel_size(sequence_parallel) > 1:
+        groups.append(parallel_state.get_tensor_model_parallel_group())
+    if parallel_state.get_context_parallel_world_size() > 1:
+        groups.append(parallel_state.get_context_parallel_group())
+    for group in groups:  # SP slices first: together they are one CP rank's rows
+        gathered = local.new_empty((dist.get_world_size(group) * len(local), *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        local = gathered
+    return layout.from_local_rows(local)

@@ -43,13 +43,17 @@ from vime.backends.megatron_utils.model import (
     transformer_config,
 )
 from vime.backends.megatron_utils.packed_layout import PackedLayout
-from vime.backends.megatron_utils.routing_replay import attach_routing_replay
+from vime.backends.megatron_utils.routing_replay import (
+    attach_routing_replay,
+    full_row_routing,
+    local_routing,
+)
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import init_distributed
 from vime.utils.freeze import apply_trainable_patterns
 from vime.utils.loss import value_loss
 from vime.utils.offload import optimizer_tensors
-from vime.utils.routing_replay import MicroBatchRouting, ReplayMode
+from vime.utils.routing_replay import ReplayMode
 from vime.utils.train_data import PackedBatch, pack_samples, split_routing
 from vime.utils.types import Sample
 
@@ -299,39 +303,9 @@ class MegatronTrainer(TrainerBase):
             rows=rows,
             labels=layout.labels(packed.input_ids, rows),
             order=order,
-            routing=self._local_routing(layout, packed.routing),
+            routing=local_routing(layout, packed.routing, self.config.sequence_parallel),
             **extra,
         )
-
-    def _sequence_parallel_size(self) -> int:
-        """TP ranks that split the sequence between layers (each router sees its slice): TP with SP, else 1."""
-        return parallel_state.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
-
-    def _local_routing(
-        self, layout: PackedLayout, routing: MicroBatchRouting | None
-    ) -> MicroBatchRouting | None:
-        """A packed micro-batch's experts to replay -> the rows this rank's routers see (CP share, SP slice)."""
-        if routing is None:
-            return None
-        tp, tp_rank = self._sequence_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
-        return MicroBatchRouting(
-            layout.local_rows(routing.experts, tp, tp_rank).cuda(),
-            layout.local_rows(routing.mask, tp, tp_rank).cuda(),
-        )
-
-    def _full_row_routing(self, layout: PackedLayout, local: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`_local_routing` for experts recorded on this rank's rows: gathered over the SP slices
-        and the CP ranks -> the micro-batch's packed row [tokens, layers, topk] (collective over TP and CP)."""
-        groups = []
-        if self._sequence_parallel_size() > 1:
-            groups.append(parallel_state.get_tensor_model_parallel_group())
-        if parallel_state.get_context_parallel_world_size() > 1:
-            groups.append(parallel_state.get_context_parallel_group())
-        for group in groups:  # SP slices first: they make up one CP rank's rows
-            gathered = local.new_empty((dist.get_world_size(group) * len(local), *local.shape[1:]))
-            dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
-            local = gathered
-        return layout.from_local_rows(local)
 
     def _forward_step(self, loss_func: Callable, data_iterator, model):
         """Megatron schedule callback: forward one packed micro-batch; outputs (logits, or the critic's values)
@@ -429,7 +403,7 @@ class MegatronTrainer(TrainerBase):
                 self._run_schedule(model, mbs, collect, forward_only=True)
                 if mode is ReplayMode.RECORD:
                     for mb, experts in zip(mbs, replay.recorded(), strict=True):
-                        full = self._full_row_routing(mb["layout"], experts)
+                        full = full_row_routing(mb["layout"], experts, self.config.sequence_parallel)
                         routes = split_routing(full, mb["packed"].total_lengths)
                         self.routing.store([samples[i] for i in mb["indices"]], routes)
         finally:
