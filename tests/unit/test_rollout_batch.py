@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 import ray
 
@@ -64,3 +65,15 @@ def test_regroup_recuts_per_sample_results_without_the_driver():
 def test_no_training_groups_no_partitions():
     batch = make_batch(_args(), _output(), dp_sizes=())
     assert batch.partitions == {} and batch.num_samples == 4
+
+
+def test_routed_experts_reach_every_rank_with_their_samples():
+    output = _output()
+    for sample in (s for group in output.samples for s in group):
+        sample.rollout_routed_experts = np.full((len(sample.tokens) - 1, 2, 2), sample.index, np.uint8)
+    batch = make_batch(_args(), output, dp_sizes=(2,))
+    for ref in batch.partitions[2]:
+        for sample in ray.get(ref).samples:
+            routing = sample.rollout_routed_experts
+            assert routing.dtype == np.uint8 and routing.shape == (len(sample.tokens) - 1, 2, 2)
+            assert (routing == sample.index).all()

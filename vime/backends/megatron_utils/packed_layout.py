@@ -139,6 +139,20 @@ class PackedLayout:
         held = torch.cat([held, held.new_zeros(most - len(held))])
         return held.to(self.device), (owner * most + rank_of_row).to(self.device)
 
+    def local_rows(self, row: torch.Tensor, tp_size: int = 1, tp_rank: int = 0) -> torch.Tensor:
+        """The rows of an unpadded packed-row tensor ``row`` ([T, ...]) that this rank's layers see: its CP share
+        (pads filled with zeros/False), and with sequence parallelism (``tp_size`` > 1) the ``tp_rank``-th of
+        ``tp_size`` equal slices of that."""
+        local = self.pad(row)[self.positions(self.cp_rank).to(row.device)]
+        size = len(local) // tp_size
+        return local[tp_rank * size : (tp_rank + 1) * size]
+
+    def from_local_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`local_rows`: every CP rank's local rows (each gathered over its SP slices first),
+        concatenated rank by rank -> the unpadded packed row."""
+        padded = gathered[self._gathered_index_cpu.to(gathered.device)]
+        return padded[self.to_padded(torch.arange(sum(self.lengths))).to(gathered.device)]
+
     def labels(self, input_ids: torch.Tensor, local_rows: torch.Tensor) -> torch.Tensor:
         """The token each of ``local_rows`` predicts (the next token of the padded row), from the unpadded
         ``input_ids`` on ``device``."""

@@ -43,12 +43,18 @@ from vime.backends.megatron_utils.model import (
     transformer_config,
 )
 from vime.backends.megatron_utils.packed_layout import PackedLayout
+from vime.backends.megatron_utils.routing_replay import (
+    attach_routing_replay,
+    full_row_routing,
+    local_routing,
+)
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import init_distributed
 from vime.utils.freeze import apply_trainable_patterns
 from vime.utils.loss import value_loss
 from vime.utils.offload import optimizer_tensors
-from vime.utils.train_data import PackedBatch, pack_samples
+from vime.utils.routing_replay import ReplayMode
+from vime.utils.train_data import PackedBatch, pack_samples, split_routing
 from vime.utils.types import Sample
 
 ROLES = ("actor", "critic")
@@ -133,6 +139,9 @@ class MegatronTrainer(TrainerBase):
         self.scheduler = self._scheduler(lr)
         self.step = 0
         self._init_policy_models_and_hooks(self._frozen, is_actor=role == "actor")
+        self._init_routing_replay(
+            args.num_layers, args.moe_router_topk, args.num_experts, attach_routing_replay
+        )
         self.before_log_prob_hook = load_hook(
             getattr(args, "custom_megatron_before_log_prob_hook_path", None),
             "--custom-megatron-before-log-prob-hook-path",
@@ -253,13 +262,13 @@ class MegatronTrainer(TrainerBase):
             raise ValueError(f"the {self.role} trainer has no {model!r} model")
         if self.before_log_prob_hook is not None:
             self.before_log_prob_hook(self.args, nets[model], samples, model)
-        return [t.cpu() for t in self._forward(nets[model], samples)]
+        return [t.cpu() for t in self._forward(nets[model], samples, model)]
 
     def compute_values(self, samples: list[Sample]) -> PerSample:
         """The critic's values at the response tokens of this rank's samples, as CPU fp32 tensors; no grad."""
         if self.role != "critic":
             raise ValueError("compute_values needs the critic trainer (role='critic')")
-        return [t.cpu() for t in self._forward(self.model, samples)]
+        return [t.cpu() for t in self._forward(self.model, samples, "critic")]
 
     def _micro_batch_token_budget(self) -> int | None:
         """``--max-tokens-per-gpu`` x CP: context parallelism spreads a micro-batch's row over the CP ranks."""
@@ -287,12 +296,14 @@ class MegatronTrainer(TrainerBase):
         local = layout.local_positions
         return dict(
             packed=packed,
+            layout=layout,
             input_ids=layout.pad(packed.input_ids.cuda())[local],
             position_ids=layout.pad(packed.position_ids.cuda())[local],
             params=packed_seq_params(layout),
             rows=rows,
             labels=layout.labels(packed.input_ids, rows),
             order=order,
+            routing=local_routing(layout, packed.routing, self.config.sequence_parallel),
             **extra,
         )
 
@@ -300,6 +311,8 @@ class MegatronTrainer(TrainerBase):
         """Megatron schedule callback: forward one packed micro-batch; outputs (logits, or the critic's values)
         only at the rows that predict response tokens."""
         mb = next(data_iterator)
+        if self.routing is not None and self.routing.replay.mode is not ReplayMode.OFF:
+            self.routing.replay.push(mb["routing"])
 
         def select_outputs(hidden_states, output_layer, output_weight, **_):
             if self.config.sequence_parallel:
@@ -363,10 +376,16 @@ class MegatronTrainer(TrainerBase):
             forward_only=forward_only,
         )
 
-    def _forward(self, model, samples: list[Sample]) -> PerSample:
+    def _forward(self, model, samples: list[Sample], name: str) -> PerSample:
+        """Per-sample outputs of ``model`` (``name``: "actor", "ref", "teacher" or "critic"), its MoE routers
+        replaying or recording as the routing plan says."""
         out: PerSample = [torch.empty(0)] * len(samples)
+        mode, routes = self._pass_routing(name, samples)
         mbs = [
-            self._model_batch(pack_samples([samples[i] for i in mb]), indices=mb)
+            self._model_batch(
+                pack_samples([samples[i] for i in mb], [routes[i] for i in mb] if routes else None),
+                indices=mb,
+            )
             for mb in self._micro_batches(samples)
         ]
 
@@ -380,8 +399,13 @@ class MegatronTrainer(TrainerBase):
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._routing_pass(mode) as replay:
                 self._run_schedule(model, mbs, collect, forward_only=True)
+                if mode is ReplayMode.RECORD:
+                    for mb, experts in zip(mbs, replay.recorded(), strict=True):
+                        full = full_row_routing(mb["layout"], experts, self.config.sequence_parallel)
+                        routes = split_routing(full, mb["packed"].total_lengths)
+                        self.routing.store([samples[i] for i in mb["indices"]], routes)
         finally:
             model.train(was_training)
         return self._from_last_stage(out)
@@ -447,7 +471,8 @@ class MegatronTrainer(TrainerBase):
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run_schedule(self.model, mbs, loss_func, forward_only=False)
+        with self._routing_pass(ReplayMode.REPLAY if self.routing else ReplayMode.OFF):
+            self._run_schedule(self.model, mbs, loss_func, forward_only=False)
         finalize_model_grads([self.model])
         lr = self.optimizer.param_groups[0]["lr"]
         success, grad_norm, _ = self.optimizer.step()

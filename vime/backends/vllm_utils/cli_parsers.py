@@ -16,6 +16,7 @@ VIME_OWNED_VLLM_FLAGS = {
     "logprobs_mode": "vime needs processed_logprobs (log-probs after temperature) for the PPO ratio",
     "worker_extension_cls": "vime installs its own worker extension for weight sync",
     "enable_sleep_mode": "set by vime with --offload-rollout (GPU only)",
+    "enable_return_routed_experts": "set by vime with --use-rollout-routing-replay (GPU only)",
 }
 
 # vllm-router flags that vime sets itself.
