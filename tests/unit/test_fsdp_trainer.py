@@ -339,7 +339,7 @@ def test_normalize_advantages_single_rank_matches_masked_whiten():
 
 def test_on_policy_distillation_pulls_the_student_towards_the_teacher(base_args, tmp_path):
     teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1, task=None)
-    args = with_args(base_args, lr=1e-3, opd_kl_coef=1.0, opd_teacher_load=str(teacher_dir))
+    args = with_args(base_args, lr=1e-3, use_opd=True, opd_type="trainer", opd_teacher_load=str(teacher_dir))
     trainer = FSDPTrainer(args)
     samples = make_samples(
         rewards=(1.0,) * 4 + (0.0,) * 4

@@ -312,7 +312,8 @@ def mask_previous_response(sample: Sample) -> None:
 async def _rewarded(args, samples: list[Sample], rollout_id: int | None = None) -> list[Sample]:
     """Reward the samples of a group, unless the group was aborted (it goes back to the buffer); first each
     ``--rollout-sample-hook-path`` hook (slime: ``hook(args, sample, *, rollout_id, evaluation)``, sync or async,
-    returning a replacement Sample or None to keep the one it may have changed)."""
+    returning a replacement Sample or None to keep the one it may have changed). As in slime, a sample whose reward
+    a custom generate function already set (e.g. a multi-agent system scoring its agents) keeps it."""
     if any(s.status == Status.ABORTED for s in samples):
         return samples
     for path in getattr(args, "rollout_sample_hook_path", None) or []:
@@ -322,7 +323,7 @@ async def _rewarded(args, samples: list[Sample], rollout_id: int | None = None) 
             if inspect.isawaitable(out):
                 out = await out
             samples[i] = out if out is not None else sample
-    await reward_samples(args, samples)
+    await reward_samples(args, [s for s in samples if s.reward is None])
     return samples
 
 

@@ -30,7 +30,7 @@ class Status(StrEnum):
 # Fields of slime's Sample that vime does not use; ``Sample.from_dict`` keeps them in ``metadata["slime"]``.
 SLIME_ONLY_FIELDS = (
     "multimodal_inputs", "multimodal_train_inputs", "multimodal_train_input_id", "apply_chat_template_kwargs",
-    "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts", "teacher_log_probs",
+    "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts",
     "generate_function_path", "custom_rm_path", "session_id", "spec_info", "prefix_cache_info",
 )  # fmt: skip
 
@@ -43,7 +43,9 @@ class Sample:
     (length ``response_length``). ``failure_reason`` explains a FAILED status. As in slime, ``rollout_id``
     identifies the trajectory a sample belongs to (None: the sample is its own; a plug-in that splits one
     trajectory into several samples sets it on every sibling), and ``Sample.Status`` is the status enum.
-    ``rollout_step`` is the training step whose rollout produced the sample.
+    ``rollout_step`` is the training step whose rollout produced the sample. ``teacher_log_probs`` (len
+    ``response_length``) are a distillation teacher's log-probs of the response, set during the rollout for
+    ``--use-opd --opd-type vllm`` (:mod:`vime.rollout.on_policy_distillation`).
     """
 
     Status: ClassVar = Status
@@ -58,6 +60,7 @@ class Sample:
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
+    teacher_log_probs: list[float] | None = None
     status: Status = Status.PENDING
     failure_reason: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
