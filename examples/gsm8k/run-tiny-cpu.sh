@@ -29,6 +29,7 @@ cd "${REPO}"
    --advantage-estimator grpo \
    --lr 1e-4 \
    --eval-prompt-data gsm8k "${DATA}@[1000:1016]" \
+   --eval-max-prompt-len 400 \
    --eval-interval 5 \
    --log-dir "${RUN_DIR}/logs" \
    --vllm-enforce-eager \

@@ -86,9 +86,13 @@ async def generate(
     searches, answer = 0, None
     for turn in range(MAX_TURNS):
         turn_params = {**params, **(first_turn_fields or {})} if turn == 0 else params
-        turn_params["max_tokens"] = sampling_params["max_tokens"] - sample.response_length
-        if turn_params["max_tokens"] <= 0:
+        budget = sampling_params["max_tokens"] - sample.response_length
+        if args.rollout_max_context_len is not None:  # prompt + response must fit the context
+            budget = min(budget, args.rollout_max_context_len - len(sample.tokens))
+        if budget <= 0:
+            sample.status = Sample.Status.TRUNCATED
             break
+        turn_params["max_tokens"] = budget
         payload = {"input_ids": sample.tokens, "sampling_params": turn_params, "return_logprob": True}
         output = await post(url, payload)
         meta = output["meta_info"]

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.rollout_manager import RolloutManager
+from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils.arguments import parse_args
 from vime.utils.ppo_utils import log_probs_from_logits
 from vime.utils.train_data import shape_rewards
@@ -35,14 +36,22 @@ B, N = 2, 2
 
 
 @pytest.fixture(scope="module")
-def manager(tiny_model_dir, tmp_path_factory):
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny model (seed 0) with room for multi-turn conversations (2048 positions)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("examples") / "model", seed=0, max_position_embeddings=2048
+    )
+
+
+@pytest.fixture(scope="module")
+def manager(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("examples")
     args = parse_args(
         [
-            "--train-backend", "fsdp", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model_dir),
-            "--prompt-data", str(tiny_model_dir / "train.jsonl"), "--rollout-batch-size", str(B),
+            "--train-backend", "fsdp", "--debug-rollout-only", "--hf-checkpoint", str(model_dir),
+            "--prompt-data", str(model_dir / "train.jsonl"), "--rollout-batch-size", str(B),
             "--n-samples-per-prompt", str(N), "--rollout-max-response-len", "8", "--rm-type", "exact",
-            "--num-rollout", "1", "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "1024",
+            "--num-rollout", "1", "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "2048",
             "--log-dir", str(tmp),
         ]
     )  # fmt: skip
@@ -53,13 +62,13 @@ def manager(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+def policy(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +118,7 @@ def engine_log_probs_match_a_forward(model, sample, start: int, end: int) -> flo
 def test_multi_turn_tool_use_runs_the_python_tool_and_masks_its_output(manager, gsm8k, tokenizer, policy):
     with example(
         manager,
-        prompt_data=f"{gsm8k}@[:16]", input_key="question", label_key="answer", rollout_max_prompt_len=300,
+        prompt_data=f"{gsm8k}@[:64]", input_key="question", label_key="answer", rollout_max_prompt_len=300,
         custom_generate_function_path="example_plugins.tool_use_calls_python",
         custom_rm_path="examples.multi_turn_tool_use.generate.reward", vllm_tool_call_parser="qwen3_xml",
         rollout_max_response_len=120,
@@ -136,7 +145,7 @@ def test_multi_turn_tool_use_runs_the_python_tool_and_masks_its_output(manager, 
 def test_agent_openai_api_records_the_sdk_conversation_token_exactly(manager, gsm8k, tokenizer, policy):
     with example(
         manager,
-        prompt_data=f"{gsm8k}@[:16]", input_key="question", label_key="answer", rollout_max_prompt_len=300,
+        prompt_data=f"{gsm8k}@[:64]", input_key="question", label_key="answer", rollout_max_prompt_len=300,
         custom_generate_function_path="example_plugins.agent_calls_calculator",
         custom_rm_path="examples.agent_openai_api.generate.reward", vllm_tool_call_parser="qwen3_xml",
         rollout_max_response_len=120,
@@ -153,7 +162,9 @@ def test_agent_openai_api_records_the_sdk_conversation_token_exactly(manager, gs
         # the second turn was generated from exactly the recorded prompt + call + tool result
         assert engine_log_probs_match_a_forward(policy, s, e, f) < 1e-4
         prompt = tokenizer.decode(s.tokens[: s.prompt_length], skip_special_tokens=False)
-        assert prompt.startswith("<|im_start|>system\nYou are a careful math assistant")
+        assert (
+            prompt.startswith("<|im_start|>system\n") and "are a careful math assistant" in prompt
+        )  # (no capitals)
 
 
 def test_search_example_retrieves_with_bm25_through_sglang_generate(manager, tokenizer, policy):
@@ -173,8 +184,10 @@ def test_search_example_retrieves_with_bm25_through_sglang_generate(manager, tok
         assert (
             tokenizer.decode(response[a:b]) == example_plugins.SEARCH_QUERY
         )  # stop string kept (no_stop_trim)
-        information = tokenizer.decode(response[c:d])
-        assert information.startswith("\n\n<information>Doc 1 (Paris): Paris is the capital")
+        assert tokenizer.decode(response[c:d]).startswith(
+            "\n\n<information>"
+        )  # (no capitals in the tiny vocab)
+        assert "<information>Doc 1 (Paris): Paris is the capital" in s.response
         if len(runs) > 2:  # a second model turn, from the token-exact context
             _, e, f = runs[2]
             assert engine_log_probs_match_a_forward(policy, s, e, f) < 1e-4
@@ -185,7 +198,7 @@ def test_multi_agent_returns_every_agents_sample_as_one_trajectory(manager, gsm8
 
     with example(
         manager,
-        prompt_data=f"{gsm8k}@[:16]", input_key="question", label_key="answer", rollout_max_prompt_len=300,
+        prompt_data=f"{gsm8k}@[:64]", input_key="question", label_key="answer", rollout_max_prompt_len=300,
         custom_generate_function_path="examples.multi_agent.agent_system.generate", rm_type="gsm8k",
     ):  # fmt: skip
         output = manager.generate(3)
@@ -212,9 +225,7 @@ def test_multi_agent_returns_every_agents_sample_as_one_trajectory(manager, gsm8
 
 
 @pytest.fixture(scope="module")
-def teacher(tiny_model_dir, module_engine_factory, tmp_path_factory):
-    from vime.tools.make_tiny_model import build_tiny_model
-
+def teacher(module_engine_factory, tmp_path_factory):
     model_dir = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=1, task=None)
     return model_dir, module_engine_factory(model_dir)
 
@@ -245,11 +256,11 @@ def test_on_policy_distillation_takes_per_token_log_probs_from_a_teacher_engine(
     assert min(gaps) > 1e-2, gaps  # and not the student's own
 
 
-def test_eval_multi_task_yaml_runs_each_dataset_with_its_settings(manager, tiny_model_dir, gsm8k, tmp_path):
+def test_eval_multi_task_yaml_runs_each_dataset_with_its_settings(manager, model_dir, gsm8k, tmp_path):
     text = (EXAMPLES / "eval_multi_task" / "tiny.yaml").read_text()
     config = tmp_path / "tiny.yaml"
     config.write_text(
-        text.replace("/tmp/vime-tiny", str(tiny_model_dir)).replace("../shared/data", str(gsm8k.parent))
+        text.replace("/tmp/vime-tiny", str(model_dir)).replace("../shared/data", str(gsm8k.parent))
     )
     datasets = {d["name"]: d for d in yaml.safe_load(config.read_text())["eval"]["datasets"]}
     with example(manager, eval_config=str(config), eval_prompt_data=None):
