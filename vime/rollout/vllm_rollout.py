@@ -27,6 +27,7 @@ from vime.backends.vllm_utils.control_client import EngineControlClient
 from vime.rollout.eval_metrics import pass_rates
 from vime.rollout.filter_hub.base_types import DynamicFilterOutput
 from vime.rollout.rm_hub import reward_samples
+from vime.utils import http_utils
 from vime.utils.async_utils import run
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnTrainOutput, Sample, Status
@@ -112,10 +113,12 @@ def get_context(args) -> RolloutContext:
 
 
 async def close_contexts() -> None:
-    """Close every context's HTTP session (the rollout manager calls this at shutdown)."""
+    """Close every context's HTTP session, and the plug-ins' shared one (:mod:`vime.utils.http_utils`); the rollout
+    manager calls this at shutdown."""
     while _contexts:
         _, ctx = _contexts.popitem()
         await ctx.session.close()
+    await http_utils.close_session()
 
 
 def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:

@@ -76,6 +76,13 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
     raise ValueError(f"max_retries must be >= 1, not {max_retries}")
 
 
+async def close_session() -> None:
+    """Close this event loop's shared session (the rollout manager does at shutdown)."""
+    session = _sessions.pop(id(asyncio.get_running_loop()), None)
+    if session is not None:
+        await session.close()
+
+
 async def get(url: str) -> Any:
     """GET ``url``; the decoded JSON answer (HTTP errors raise)."""
     async with _session().get(url) as response:
