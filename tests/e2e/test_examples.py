@@ -19,10 +19,12 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from vime.rollout import sglang_compat
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.rollout_manager import RolloutManager
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils.arguments import parse_args
+from vime.utils.async_utils import run
 from vime.utils.ppo_utils import log_probs_from_logits
 from vime.utils.train_data import shape_rewards
 from vime.utils.types import Status
@@ -254,6 +256,16 @@ def test_on_policy_distillation_takes_per_token_log_probs_from_a_teacher_engine(
             )
     assert max(diffs) < 1e-4, diffs  # the teacher's, per token, as a forward pass of the teacher gives them
     assert min(gaps) > 1e-2, gaps  # and not the student's own
+    # slime's own OPD request (SGLang /generate, max_new_tokens 0, input log-probs) ported by sglang_compat
+    payload = {
+        "input_ids": s.tokens, "sampling_params": {"temperature": 1.0, "max_new_tokens": 0, "skip_special_tokens": False},
+        "return_logprob": True, "logprob_start_len": 0,
+    }  # fmt: skip
+    output = run(sglang_compat.post(f"{engine.url}/generate", payload))
+    slime_teacher = [item[0] for item in output["meta_info"]["input_token_logprobs"][1:]][
+        -s.response_length :
+    ]
+    assert output["output_ids"] == [] and slime_teacher == pytest.approx(s.teacher_log_probs, abs=1e-6)
 
 
 def test_eval_multi_task_yaml_runs_each_dataset_with_its_settings(manager, model_dir, gsm8k, tmp_path):
