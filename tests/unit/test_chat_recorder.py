@@ -102,6 +102,7 @@ def test_requests_that_do_not_extend_the_trajectory_are_refused(args, scripted, 
     [
         ({"n": 2}, "n=2: one reply per request"),
         ({"stream": True}, "stream=true"),
+        ({"logprobs": True, "top_logprobs": 5}, "top_logprobs is not supported"),
         ({"logit_bias": {}}, r"unsupported chat request fields \['logit_bias'\]"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "no tool-call parser is set"),
     ],

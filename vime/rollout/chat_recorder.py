@@ -203,6 +203,10 @@ class ChatRecorder:
             raise ChatRequestError(f"unsupported chat request fields {sorted(unknown)}")
         if request.get("stream"):
             raise ChatRequestError("stream=true is not supported: vime answers whole replies")
+        if request.get("top_logprobs"):
+            raise ChatRequestError(
+                "top_logprobs is not supported: replies carry the sampled tokens' log-probs only"
+            )
         if request.get("n", 1) != 1:
             raise ChatRequestError(f"n={request['n']}: one reply per request (a trajectory is one sequence)")
         for key in _ROLLOUT_OWNED & set(request):
