@@ -18,7 +18,7 @@ from vime.backends.fsdp_utils.trainer import FSDPTrainer
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils import ppo_utils
 from vime.utils.arguments import parse_args
-from vime.utils.train_data import normalize_advantages, shape_rewards
+from vime.utils.train_data import loss_mask_of, normalize_advantages, shape_rewards
 from vime.utils.types import Sample, Status
 
 # (prompt length, response length) of 8 samples = 2 groups of 4
@@ -339,7 +339,7 @@ def test_normalize_advantages_single_rank_matches_masked_whiten():
 
 def test_on_policy_distillation_pulls_the_student_towards_the_teacher(base_args, tmp_path):
     teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1, task=None)
-    args = with_args(base_args, lr=1e-3, opd_kl_coef=1.0, opd_teacher_load=str(teacher_dir))
+    args = with_args(base_args, lr=1e-3, use_opd=True, opd_type="trainer", opd_teacher_load=str(teacher_dir))
     trainer = FSDPTrainer(args)
     samples = make_samples(
         rewards=(1.0,) * 4 + (0.0,) * 4
@@ -442,3 +442,62 @@ def test_ref_ckpt_step_picks_the_reference_iteration(base_args, tmp_path):
         args = with_args(base_args, ref_load=str(tmp_path / "ckpt"), ref_ckpt_step=step, use_kl_loss=True)
         reference = FSDPTrainer(args).compute_log_probs(samples, "ref")
         assert all(torch.equal(a, b) for a, b in zip(reference, want, strict=True)), step
+
+
+def _opd_samples() -> list[Sample]:
+    return [
+        Sample(index=0, tokens=[5, 6, 7, 8], response_length=2, reward=0.0, status=Status.COMPLETED,
+               rollout_log_probs=[-1.0, -2.0], teacher_log_probs=[-0.5, -3.0]),
+        Sample(index=1, tokens=[5, 6, 7], response_length=2, reward=0.0, status=Status.COMPLETED,
+               rollout_log_probs=[-2.0, -0.5], loss_mask=[1, 0], teacher_log_probs=[-1.0, -1.0]),
+        Sample(index=2, tokens=[5, 6, 7], response_length=1, reward=0.0, status=Status.FAILED,
+               rollout_log_probs=[-1.0]),  # its teacher call failed: no teacher log-probs, no loss
+    ]  # fmt: skip
+
+
+def test_opd_term_from_teacher_log_probs_on_the_samples_hand_worked(base_args):
+    args = with_args(base_args, use_opd=True, opd_type="vllm", opd_kl_coef=0.5)
+    trainer = FSDPTrainer(args)
+    samples = _opd_samples()
+    student = [torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -0.5]), torch.tensor([-1.0])]
+    masks = [loss_mask_of(s) for s in samples]
+    data, metrics = trainer._policy_data(samples, [0.0] * 3, masks, None, student, None)
+    # zero rewards: A = -0.5 * (logp_student - logp_teacher) per token; the FAILED sample's term is 0
+    expected = [[-0.5 * (-1.0 + 0.5), -0.5 * (-2.0 + 3.0)], [-0.5 * (-2.0 + 1.0), -0.5 * (-0.5 + 1.0)], [0.0]]
+    for got, want in zip(data["advantages"], expected, strict=True):
+        torch.testing.assert_close(got.cpu(), torch.tensor(want))
+    # reverse KL averaged over the loss-masked tokens only: (-1 + 0.5) + (-2 + 3) + (-2 + 1), over 3 tokens
+    assert metrics["opd_reverse_kl"] == pytest.approx((-0.5 + 1.0 - 1.0) / 3)
+
+
+def test_opd_without_teacher_log_probs_names_the_reward_to_use(base_args):
+    trainer = FSDPTrainer(with_args(base_args, use_opd=True, opd_type="vllm"))
+    samples = _opd_samples()
+    samples[1].teacher_log_probs = None
+    student = [torch.zeros(s.response_length) for s in samples]
+    with pytest.raises(ValueError, match="vime.rollout.on_policy_distillation.reward_func"):
+        trainer._policy_data(samples, [0.0] * 3, [loss_mask_of(s) for s in samples], None, student, None)
+    samples[1].teacher_log_probs = [-1.0]
+    with pytest.raises(ValueError, match="len\\(teacher_log_probs\\)=1 != response_length=2"):
+        trainer._policy_data(samples, [0.0] * 3, [loss_mask_of(s) for s in samples], None, student, None)
+
+
+def test_teacher_log_probs_from_a_server_train_like_the_trainer_side_teacher(base_args, tmp_path):
+    """--opd-type vllm with the teacher's log-probs on the samples makes the same update as --opd-type trainer
+    with that teacher loaded in the trainer."""
+    teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1, task=None)
+    with_teacher = FSDPTrainer(
+        with_args(base_args, use_opd=True, opd_type="trainer", opd_teacher_load=str(teacher_dir))
+    )
+    samples = make_samples(rewards=(1.0,) * 4 + (0.0,) * 4)
+    rewards = shape_rewards(base_args, groups_of(samples))
+    served = copy.deepcopy(samples)
+    for s, t in zip(served, with_teacher.compute_log_probs(samples, model="teacher"), strict=True):
+        s.teacher_log_probs = t.tolist()
+    metrics_trainer = with_teacher.train(0, samples, rewards)
+    from_server = FSDPTrainer(with_args(base_args, use_opd=True, opd_type="vllm"))
+    assert from_server.teacher_model is None
+    metrics_server = from_server.train(0, served, rewards)
+    assert metrics_server["opd_reverse_kl"] == pytest.approx(metrics_trainer["opd_reverse_kl"], abs=1e-6)
+    a, b = full_params(with_teacher), full_params(from_server)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6

@@ -92,10 +92,9 @@ def test_slime_plugin_surface():
 
 def test_from_dict_reads_a_slime_sample():
     slime = {"index": 1, "tokens": [1, 2, 3], "response_length": 1, "status": "completed", "rollout_id": 7,
-             "session_id": "s1", "teacher_log_probs": None, "spec_info": {"spec_accept_token_num": 0}}  # fmt: skip
+             "session_id": "s1", "teacher_log_probs": [-0.5], "spec_info": {"spec_accept_token_num": 0}}  # fmt: skip
     sample = Sample.from_dict(slime)
-    assert sample.rollout_id == 7 and sample.status == Status.COMPLETED
-    assert sample.metadata["slime"] == {"session_id": "s1", "teacher_log_probs": None,
-                                        "spec_info": {"spec_accept_token_num": 0}}  # fmt: skip
+    assert sample.rollout_id == 7 and sample.status == Status.COMPLETED and sample.teacher_log_probs == [-0.5]
+    assert sample.metadata["slime"] == {"session_id": "s1", "spec_info": {"spec_accept_token_num": 0}}
     with pytest.raises(ValueError, match="unknown Sample fields \\['typo'\\]"):
         Sample.from_dict({"typo": 1})

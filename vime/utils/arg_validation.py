@@ -36,6 +36,7 @@ def finalize_args(args: argparse.Namespace) -> None:
     _check_sampling(args)
     _check_algorithm(args)
     _check_routing_replay(args)
+    _check_opd(args)
     _check_loss_type(args)
     _check_batch_sizes(args)
     _check_cluster(args)
@@ -106,6 +107,47 @@ def _check_routing_replay(args: argparse.Namespace) -> None:
         )
 
 
+# slime's --opd-type names for vime's: the teacher runs in an inference server, or in the training backend
+_OPD_TYPE_ALIASES = {"sglang": "vllm", "megatron": "trainer"}
+
+
+def _check_opd(args: argparse.Namespace) -> None:
+    """On-policy distillation as in slime: ``--use-opd`` with ``--opd-type``; ``--opd-teacher-load`` belongs to the
+    trainer-side teacher only. slime's type names are mapped to vime's."""
+    if not args.use_opd:
+        if args.opd_teacher_load or args.opd_type:
+            flag = "--opd-teacher-load" if args.opd_teacher_load else "--opd-type"
+            raise ValueError(
+                f"{flag} is set but --use-opd is not: add --use-opd (and --opd-type trainer for a teacher loaded "
+                "by the trainer, or --opd-type vllm for a teacher server)"
+            )
+        return
+    if args.opd_type is None:
+        raise ValueError(
+            "--use-opd needs --opd-type: vllm (teacher log-probs from a vLLM server during the rollout, "
+            "vime.rollout.on_policy_distillation; slime's sglang) or trainer (--opd-teacher-load, run by the "
+            "training backend; slime's megatron)"
+        )
+    args.opd_type = _OPD_TYPE_ALIASES.get(args.opd_type, args.opd_type)
+    if args.opd_type == "trainer" and not args.opd_teacher_load:
+        raise ValueError(
+            "--opd-type trainer needs --opd-teacher-load (HF dir or vime checkpoint of the teacher)"
+        )
+    if args.opd_type == "vllm":
+        if args.opd_teacher_load:
+            raise ValueError(
+                "--opd-teacher-load with --opd-type vllm: the teacher's log-probs come from its server during the "
+                "rollout; drop --opd-teacher-load, or use --opd-type trainer to load the teacher in the trainer"
+            )
+        if args.rollout_temperature != 1.0:
+            raise ValueError(
+                f"--opd-type vllm with --rollout-temperature {args.rollout_temperature}: vLLM returns prompt "
+                "log-probs of the unscaled logits (temperature 1), while the student's are at the rollout "
+                "temperature, so their difference would not be a KL; use --rollout-temperature 1, or --opd-type "
+                "trainer (the trainer scales both by the rollout temperature)"
+            )
+
+
 def _check_loss_type(args: argparse.Namespace) -> None:
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         raise ValueError("--loss-type custom_loss needs --custom-loss-function-path (the loss function)")
@@ -120,7 +162,7 @@ def _check_loss_type(args: argparse.Namespace) -> None:
         for flag, on in (
             ("--use-kl-loss", args.use_kl_loss),
             ("--kl-coef", args.kl_coef != 0),
-            ("--opd-kl-coef", bool(args.opd_kl_coef)),
+            ("--use-opd", args.use_opd),
             ("--use-tis", args.use_tis),
             ("--advantage-estimator ppo (a critic)", args.advantage_estimator == "ppo"),
             (

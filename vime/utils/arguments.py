@@ -25,6 +25,7 @@ from vime.utils.passthrough_args import add_passthrough_flags, passthrough_help
 
 ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 KL_TYPES = ["k1", "k2", "k3", "low_var_kl"]
+OPD_TYPES = ["vllm", "trainer", "sglang", "megatron"]  # slime's names last: sglang = vllm, megatron = trainer
 EPILOG = """\
 Pass-through flags (not listed above):
   --vllm-<flag>    any flag of the installed vLLM server, e.g. --vllm-max-model-len 4096 (list: --help-vllm)
@@ -487,12 +488,31 @@ ALGORITHM = [
         ),
     ),
     (
-        "--opd-kl-coef",
+        "--use-opd",
+        dict(action="store_true", help="On-policy distillation (slime): needs --opd-type."),
+    ),
+    (
+        "--opd-type",
         dict(
-            type=float, default=0.0, help="On-policy distillation: weight of (logp_student - logp_teacher)."
+            default=None,
+            choices=OPD_TYPES,
+            help="Where the teacher's log-probs come from: vllm (a teacher vLLM server, asked during the rollout "
+            "by vime.rollout.on_policy_distillation; slime's sglang) or trainer (--opd-teacher-load, run by the "
+            "training backend; slime's megatron).",
         ),
     ),
-    ("--opd-teacher-load", dict(default=None, help="HF checkpoint of the distillation teacher.")),
+    (
+        "--opd-kl-coef",
+        dict(
+            type=float,
+            default=1.0,
+            help="OPD weight: advantages -= coef * (logp_student - logp_teacher) per token (with --use-opd).",
+        ),
+    ),
+    (
+        "--opd-teacher-load",
+        dict(default=None, help="Teacher checkpoint (HF dir or vime checkpoint) for --opd-type trainer."),
+    ),
     (
         "--opd-teacher-ckpt-step",
         dict(type=int, default=None, help="Iteration of a checkpoint --opd-teacher-load (default latest)."),

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -34,27 +35,52 @@ def _decode(body: bytes) -> Any:
         return body.decode(errors="replace")
 
 
+# Client errors that may pass on their own (timeout, rate limit); other 4xx answers are final.
+_RETRIED_CLIENT_ERRORS = (408, 429)
+
+
+class RequestRefusedError(aiohttp.ClientResponseError):
+    """The server refused the request with a client error (4xx): sending it again would not help."""
+
+
 async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
-    """POST ``payload`` as JSON; the decoded JSON answer (text if it is not JSON). Connection errors and HTTP
-    errors are retried once a second, up to ``max_retries`` attempts; the last error is raised."""
+    """POST ``payload`` as JSON; the decoded JSON answer (text if it is not JSON). Connection errors, server errors
+    (5xx), 408 and 429 are retried once a second, up to ``max_retries`` attempts, and the last error is raised;
+    other client errors (4xx) raise :class:`RequestRefusedError` at once."""
     for attempt in range(1, max_retries + 1):
         try:
             async with _session().post(url, json=payload or {}, headers=headers) as response:
                 body = await response.read()
                 if response.status >= 400:
-                    raise aiohttp.ClientResponseError(
-                        response.request_info,
-                        (),
-                        status=response.status,
-                        message=body[:300].decode(errors="replace"),
-                    )
+                    message = body[:300].decode(errors="replace")
+                    refused = 400 <= response.status < 500 and response.status not in _RETRIED_CLIENT_ERRORS
+                    if (
+                        refused
+                        and response.status == 404
+                        and urlsplit(url).path.rstrip("/").endswith("/generate")
+                    ):
+                        message += (
+                            " -- vLLM serves no SGLang /generate route: a plug-in ported from slime imports post "
+                            "from vime.rollout.sglang_compat, which translates it"
+                        )
+                    error = RequestRefusedError if refused else aiohttp.ClientResponseError
+                    raise error(response.request_info, (), status=response.status, message=message)
                 return _decode(body)
+        except RequestRefusedError:
+            raise
         except (TimeoutError, aiohttp.ClientError) as exc:
             if attempt == max_retries:
                 raise
             logger.info("POST %s failed (%s); retry %d of %d", url, exc, attempt, max_retries - 1)
             await asyncio.sleep(1)
     raise ValueError(f"max_retries must be >= 1, not {max_retries}")
+
+
+async def close_session() -> None:
+    """Close this event loop's shared session (the rollout manager does at shutdown)."""
+    session = _sessions.pop(id(asyncio.get_running_loop()), None)
+    if session is not None:
+        await session.close()
 
 
 async def get(url: str) -> Any:

@@ -34,7 +34,7 @@ class Status(StrEnum):
 # Fields of slime's Sample that vime does not use; ``Sample.from_dict`` keeps them in ``metadata["slime"]``.
 SLIME_ONLY_FIELDS = (
     "multimodal_inputs", "multimodal_train_inputs", "multimodal_train_input_id", "apply_chat_template_kwargs",
-    "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "teacher_log_probs",
+    "rollout_top_p_token_ids", "rollout_top_p_token_offsets",
     "generate_function_path", "custom_rm_path", "session_id", "spec_info", "prefix_cache_info",
 )  # fmt: skip
 
@@ -49,7 +49,9 @@ class Sample:
     trajectory into several samples sets it on every sibling), and ``Sample.Status`` is the status enum.
     ``rollout_step`` is the training step whose rollout produced the sample. ``rollout_routed_experts`` (MoE, with
     ``--use-rollout-routing-replay``): the experts the engine routed each token to, ``[len(tokens) - 1, layers,
-    topk]`` (``vime.utils.routed_experts``); a continued sample holds the routing of its latest request.
+    topk]`` (``vime.utils.routed_experts``); a continued sample holds the routing of its latest request. ``teacher_log_probs`` (len
+    ``response_length``) are a distillation teacher's log-probs of the response, set during the rollout for
+    ``--use-opd --opd-type vllm`` (:mod:`vime.rollout.on_policy_distillation`).
     """
 
     Status: ClassVar = Status
@@ -64,6 +66,7 @@ class Sample:
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
+    teacher_log_probs: list[float] | None = None
     status: Status = Status.PENDING
     failure_reason: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
