@@ -30,7 +30,10 @@ def main(args) -> None:
             step_started = time.monotonic()
             batch = ray.get(next_rollout)
             metrics = {**batch.metrics, "time/rollout_wait_s": time.monotonic() - step_started}
-            next_rollout = run.generate(rollout_id + 1) if rollout_id + 1 < args.num_rollout else None
+            next_rollout = None
+            if rollout_id + 1 < args.num_rollout:  # trained after this step's weight push, if there is one
+                pushed = (rollout_id + 1) % args.update_weights_interval == 0
+                next_rollout = run.generate(rollout_id + 1, sync_before_train=pushed)
             metrics |= run.train(rollout_id, batch)
             if run.should_save(rollout_id):
                 run.save(rollout_id)
