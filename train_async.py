@@ -1,7 +1,9 @@
 """vime's one-step off-policy loop: rollout k+1 is generated while the trainer learns from rollout k.
 
 Weights reach the engines every ``--update-weights-interval`` rollouts, always between two rollouts (the
-in-flight one is finished first), so every sample of a batch comes from one policy version.
+in-flight one is finished first), so with the default rollout every sample of a batch comes from one policy
+version. The fully-async rollout (``vime.rollout.fully_async_rollout``) keeps generating across syncs instead,
+within ``--max-staleness``.
 """
 
 from __future__ import annotations
