@@ -257,8 +257,8 @@ class FullyAsyncWorker:
     def _top_up(self) -> None:
         while not (self.paused or self.stopped or self.error) and self._room():
             groups = self.data_source.get_samples(1)
-            if not groups:
-                self.drained = True
+            self.drained = not groups  # a custom data source may run dry (vime's cycles through epochs)
+            if self.drained:
                 return
             self._start(groups[0])
 
