@@ -7,8 +7,9 @@ Aborted and surplus groups go back to the data buffer: with ``--partial-rollout`
 otherwise reset to their prompts, so no prompt is silently skipped.
 
 The manager sets ``args.vllm_router_ip/port`` (where requests go), ``args.rollout_engine_urls`` (where
-abort/control calls go, never through the router), ``args.weight_version`` (recorded on each sample as its request is sent) and
-``args.rollout_sample_seeds`` (per-request seeds; off on CPU engines, see ``RolloutManager.start``).
+abort/control calls go, never through the router), ``args.weight_version`` (recorded on each sample as its
+request is sent) and ``args.rollout_sample_seeds`` (per-request seeds; off on CPU engines, see
+``RolloutManager.start``).
 """
 
 from __future__ import annotations
