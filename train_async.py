@@ -1,7 +1,9 @@
 """vime's one-step off-policy loop: rollout k+1 is generated while the trainer learns from rollout k.
 
 Weights reach the engines every ``--update-weights-interval`` rollouts, always between two rollouts (the
-in-flight one is finished first), so every sample of a batch comes from one policy version.
+in-flight one is finished first), so with the default rollout every sample of a batch comes from one policy
+version. The fully-async rollout (``vime.rollout.fully_async_rollout``) keeps generating across syncs instead,
+within ``--max-staleness``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def main(args) -> None:
             step_started = time.monotonic()
             batch = ray.get(next_rollout)
             metrics = {**batch.metrics, "time/rollout_wait_s": time.monotonic() - step_started}
-            next_rollout = run.generate(rollout_id + 1) if rollout_id + 1 < args.num_rollout else None
+            next_rollout = None
+            if rollout_id + 1 < args.num_rollout:  # trained after this step's weight push, if there is one
+                pushed = (rollout_id + 1) % args.update_weights_interval == 0
+                next_rollout = run.generate(rollout_id + 1, sync_before_train=pushed)
             metrics |= run.train(rollout_id, batch)
             if run.should_save(rollout_id):
                 run.save(rollout_id)

@@ -13,9 +13,12 @@ import pytest
 import rollout_plugins
 import torch
 
+from vime.backends.vllm_utils.control_client import EngineControlClient
+from vime.rollout import fully_async_rollout
 from vime.rollout.rollout_manager import RolloutManager
 from vime.rollout.vllm_rollout import RolloutError
 from vime.utils.arguments import parse_args
+from vime.utils.async_utils import run
 from vime.utils.ppo_utils import log_probs_from_logits
 from vime.utils.types import Status
 
@@ -176,6 +179,79 @@ def test_debug_rollout_data_round_trip(manager, tmp_path, tiny_model_dir):
     offline = RolloutManager(args, tmp_path)
     offline.start()  # starts no engine
     assert offline.engines == [] and offline.generate(6).samples == saved.samples
+
+
+def wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
+    """The weight-sync protocol around the fully-async worker on the real engine, with a dynamic filter (odd groups
+    dropped): requests in flight when the engine pauses in place are held (none finishes) and finish after resume
+    stamped with the version they were sent at; the worker draws nothing while the weights change, though dropped
+    groups leave room; groups two versions old are generated again."""
+    source, saved_fn = manager.data_source, manager.rollout_fn
+    url = manager.engine_urls()[0]
+
+    async def control(method: str, **kw) -> None:
+        client = EngineControlClient(url)
+        try:
+            await getattr(client, method)(**kw)
+        finally:
+            await client.close()
+
+    def worker():
+        return fully_async_rollout._workers[id(source)]
+
+    def idle_with(ready: int) -> bool:
+        return len(worker().ready) == ready and not worker().in_flight
+
+    manager.rollout_fn = fully_async_rollout.generate_rollout
+    try:
+        with overrides(
+            manager.args,
+            max_staleness=1,
+            weight_version=0,
+            dynamic_sampling_filter_path="rollout_plugins.keep_even_groups",
+        ):
+            manager.generate(10, train_version=0)  # then the worker generates one rollout ahead (lag 1)
+            wait_until(lambda: idle_with(B))
+            run(control("pause", mode="keep"))
+            assert manager.generate(11, train_version=0).metrics["fully_async/staleness_max"] == 0
+            wait_until(lambda: len(worker().in_flight) == B)  # the next rollout's groups, held by the engine
+            time.sleep(1.0)
+            assert len(worker().in_flight) == B and not worker().ready
+            held = sorted(group.drawn[0].group_index for group in worker().in_flight.values())
+            manager.before_weight_update()
+            drawn = source.next_group_index
+            run(control("resume"))
+            wait_until(lambda: idle_with(B // 2))  # the odd half dropped ...
+            assert source.next_group_index == drawn  # ... but nothing drawn to replace it during the "sync"
+            manager.set_weight_version(1)
+            across = manager.generate(12, train_version=1)
+            by_group = {group[0].group_index: group for group in across.samples}
+            assert [i for i in held if i % 2 == 0] == [i for i in held if i in by_group]
+            for i in by_group:
+                versions = [0] if i in held else [1]
+                assert all(s.weight_versions == versions and s.response_length for s in by_group[i]), i
+            assert across.metrics["fully_async/staleness_max"] == 1
+            assert across.metrics["rollout/dropped_groups/odd_group"] >= B // 2
+
+            wait_until(lambda: idle_with(B))  # version 1
+            for version in (2, 3):
+                manager.before_weight_update()
+                manager.set_weight_version(version)
+                wait_until(lambda: not worker().in_flight)
+            stale = manager.generate(13, train_version=3)  # version-1 groups lag 2: generated again
+            assert stale.metrics["fully_async/regenerated_groups"] == B
+            assert all(s.weight_versions == [2] for g in stale.samples for s in g)
+    finally:
+        manager.rollout_fn = saved_fn
+        fully_async_rollout.stop(source)
+    assert not fully_async_rollout.is_running(source)
 
 
 def test_killing_the_router_mid_run_gives_a_clear_error(tiny_model_dir, tmp_path):

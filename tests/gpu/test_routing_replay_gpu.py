@@ -231,9 +231,7 @@ def engine_samples(model_dir: str, dtype: str, log_path: Path):
             assert response.status_code == 200, response.text
             for choice in response.json()["choices"]:
                 sample = Sample(index=len(samples), tokens=list(prompt), reward=float(len(samples) % 2))
-                _apply_choice(
-                    argparse.Namespace(weight_version=0, use_rollout_routing_replay=True), sample, choice
-                )
+                _apply_choice(argparse.Namespace(use_rollout_routing_replay=True), sample, choice, 0)
                 samples.append(sample)
     return samples
 

@@ -71,16 +71,16 @@ def test_a_choice_routing_covers_all_tokens_but_the_last_and_a_continuation_repl
     args = argparse.Namespace(weight_version=0, use_rollout_routing_replay=True)
     sample = Sample(index=0, tokens=[5, 6, 7], status=Status.PENDING)  # a 3-token prompt
     full = experts(8, seed=1)
-    _apply_choice(args, sample, choice([8, 9], full[:4], finish="abort"))  # aborted: 5 tokens, 4 rows
+    _apply_choice(args, sample, choice([8, 9], full[:4], finish="abort"), 0)  # aborted: 5 tokens, 4 rows
     assert sample.status == Status.ABORTED and np.array_equal(sample.rollout_routed_experts, full[:4])
     # the continuation's request re-sends all 5 tokens; the engine returns routing for the whole sequence again
-    _apply_choice(args, sample, choice([10, 11, 12, 13], full))
+    _apply_choice(args, sample, choice([10, 11, 12, 13], full), 0)
     assert sample.tokens == [5, 6, 7, 8, 9, 10, 11, 12, 13] and np.array_equal(
         sample.rollout_routed_experts, full
     )
     # an abort before any forward returns none: the earlier routing stays (it covers a prefix)
     partial = Sample(index=1, tokens=[5, 6, 7], rollout_routed_experts=full[:2], status=Status.PENDING)
-    _apply_choice(args, partial, choice([], None, finish="abort"))
+    _apply_choice(args, partial, choice([], None, finish="abort"), 0)
     assert np.array_equal(partial.rollout_routed_experts, full[:2])
     reset_to_prompt(sample)
     assert sample.rollout_routed_experts is None and sample.tokens == [5, 6, 7]
@@ -89,16 +89,17 @@ def test_a_choice_routing_covers_all_tokens_but_the_last_and_a_continuation_repl
 def test_a_choice_without_routing_or_with_the_wrong_rows_fails():
     args = argparse.Namespace(weight_version=0, use_rollout_routing_replay=True)
     with pytest.raises(RolloutError, match="returned no routed_experts for a finished request"):
-        _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], None))
+        _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], None), 0)
     with pytest.raises(ValueError, match="routed experts for 4 tokens, expected 2"):
-        _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(4)))
+        _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(4)), 0)
     with pytest.raises(ValueError, match="routed experts for 1 tokens, expected 2"):
-        _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(1)))
-    aborted = _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(1), finish="abort"))
+        _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(1)), 0)
+    aborted = _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(1), finish="abort"), 0)
     assert len(aborted.rollout_routed_experts) == 1  # a prefix; the continuation returns them all
     plain = argparse.Namespace(weight_version=0, use_rollout_routing_replay=False)
     assert (
-        _apply_choice(plain, Sample(index=0, tokens=[5, 6]), choice([8], None)).rollout_routed_experts is None
+        _apply_choice(plain, Sample(index=0, tokens=[5, 6]), choice([8], None), 0).rollout_routed_experts
+        is None
     )
 
 

@@ -15,9 +15,12 @@ from vime.rollout.rollout_manager import RolloutManager
 class RayRolloutManager(RolloutManager):
     """The rollout manager in its Ray actor: rollouts leave it by reference (:mod:`vime.ray.rollout_batch`)."""
 
-    def generate_batch(self, rollout_id: int, dp_sizes: tuple[int, ...]) -> RolloutBatch:
-        """Rollout ``rollout_id``, split for training groups of the given data-parallel sizes."""
-        return make_batch(self.args, self.generate(rollout_id), dp_sizes)
+    def generate_batch(
+        self, rollout_id: int, dp_sizes: tuple[int, ...], train_version: int | None = None
+    ) -> RolloutBatch:
+        """Rollout ``rollout_id``, split for training groups of the given data-parallel sizes (``train_version``:
+        see :meth:`RolloutManager.generate`)."""
+        return make_batch(self.args, self.generate(rollout_id, train_version), dp_sizes)
 
 
 # Engines run as subprocesses of this actor, on its node, each pinned to its bundles' GPUs.

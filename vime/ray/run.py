@@ -67,11 +67,18 @@ class Run:
     def has_engines(self) -> bool:
         return not self.args.debug_train_only
 
-    def generate(self, rollout_id: int) -> ray.ObjectRef:
+    @property
+    def syncs_weights(self) -> bool:
+        return self.actor is not None and self.has_engines
+
+    def generate(self, rollout_id: int, sync_before_train: bool = False) -> ray.ObjectRef:
         """Submit rollout ``rollout_id`` to the manager; returns its future (a :class:`RolloutBatch`: metrics and
-        references to every training rank's share, which never pass through this process)."""
+        references to every training rank's share, which never pass through this process).
+        ``sync_before_train``: the loop pushes new weights between generating this rollout and training on it
+        (train_async.py), so it trains on one weight version more than the engines serve now."""
         dp_sizes = tuple(group.dp_size for group in (self.actor, self.critic) if group is not None)
-        return self.manager.generate_batch.remote(rollout_id, dp_sizes)
+        train_version = self.weight_version + int(sync_before_train and self.syncs_weights)
+        return self.manager.generate_batch.remote(rollout_id, dp_sizes, train_version)
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """Train the critic (ppo) and, after ``--num-critic-only-steps``, the actor on one rollout."""
@@ -151,12 +158,13 @@ class Run:
 
     def sync_weights(self) -> dict[str, float]:
         """Push the actor's weights to every engine as the next weight version."""
-        if self.actor is None or not self.has_engines:
+        if not self.syncs_weights:
             return {}
         started = time.monotonic()
         self.weight_version += 1
         sync_dir = self.args.update_weight_dir or str(self.log_dir / "weight_sync")  # the disk transport's
         ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
+        ray.get(self.manager.before_weight_update.remote())  # until set_weight_version
         metrics = self._push_weights(sync_dir)
         metrics |= self.offload_trainers()  # after the sync: it reads the actor's weights
         ray.get(self.manager.wake_up.remote(["kv_cache"]))

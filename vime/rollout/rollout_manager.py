@@ -20,6 +20,7 @@ from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
 from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
 from vime.backends.vllm_utils.router import connect_router, register_workers
+from vime.rollout import fully_async_rollout
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.vllm_rollout import close_contexts
 from vime.utils.async_utils import run
@@ -125,12 +126,15 @@ class RolloutManager:
             | ({"CUDA_VISIBLE_DEVICES": self.engine_gpus[slot]} if self.engine_gpus else {}),
         )
 
-    def generate(self, rollout_id: int) -> RolloutFnTrainOutput:
-        """One training batch: from the rollout function, or from ``--load-debug-rollout-data``."""
+    def generate(self, rollout_id: int, train_version: int | None = None) -> RolloutFnTrainOutput:
+        """One training batch: from the rollout function, or from ``--load-debug-rollout-data``. ``train_version``:
+        the weight version the trainer will hold when it trains on this batch (default: the engines' version); the
+        rollout function reads it as ``args.train_weight_version`` (the fully-async rollout bounds staleness by it)."""
+        self.args.train_weight_version = self.args.weight_version if train_version is None else train_version
         if self.args.load_debug_rollout_data:
             output = load_rollout_data(self.args.load_debug_rollout_data.format(rollout_id=rollout_id))
         else:
-            self._state_before = (rollout_id, self.data_source.state_dict())
+            self._state_before = (rollout_id, self._data_state())
             started = time.monotonic()
             output = self.rollout_fn(self.args, rollout_id, self.data_source, evaluation=False)
         if not isinstance(output, RolloutFnTrainOutput):
@@ -210,26 +214,43 @@ class RolloutManager:
                 engines.run(lambda engine: engine.wake_up(tags))
             self.sleeping -= set(tags)
 
+    def before_weight_update(self) -> None:
+        """A weight sync starts: the fully-async rollout's worker starts no request until :meth:`set_weight_version`."""
+        if self.data_source is not None:
+            fully_async_rollout.before_weight_update(self.data_source)
+
     def set_weight_version(self, version: int) -> None:
         """Record the policy version the engines now serve (stamped on every new sample); engines restarted by
-        ``--use-fault-tolerance`` received it too and rejoin the router."""
+        ``--use-fault-tolerance`` received it too and rejoin the router; a fully-async worker goes on."""
         self.args.weight_version = version
         if self.monitor is not None:
             self.monitor.admit_synced()
+        if self.data_source is not None:
+            fully_async_rollout.after_weight_update(self.data_source)
 
     def save(self, rollout_id: int, save_dir: str | Path) -> None:
         """Save the data buffer's state as of the end of rollout ``rollout_id`` next to the trainer's checkpoint
         (so a resume at ``rollout_id + 1`` redraws the prompts of a next rollout already generated)."""
         if self.data_source is None:
             return
-        state = None
         if self._state_before is not None and self._state_before[0] == rollout_id + 1:
             state = self._state_before[1]
+        else:
+            state = self._data_state()
         self.data_source.save(rollout_id, save_dir, state)
 
+    def _data_state(self) -> dict:
+        """The data buffer's state; with the fully-async rollout, the groups its worker holds (drawn, not trained)
+        count as buffered, so a resume draws them again."""
+        return fully_async_rollout.data_source_state(self.data_source)
+
     def load(self, rollout_id: int, load_dir: str | Path) -> None:
-        """Restore the data buffer saved at ``rollout_id``."""
+        """Restore the data buffer saved at ``rollout_id`` (before the first rollout)."""
         if self.data_source is not None:
+            if fully_async_rollout.is_running(self.data_source):
+                raise RuntimeError(
+                    "load the data buffer before the first rollout: a fully-async worker draws from it"
+                )
             self.data_source.load(rollout_id, load_dir)
 
     def shutdown(self) -> None:
@@ -237,6 +258,8 @@ class RolloutManager:
         if self.monitor is not None:
             self.monitor.stop()
             self.router = self.monitor.router if self.router is not None else None  # a restarted one
+        if self.data_source is not None:
+            fully_async_rollout.stop(self.data_source)
         run(close_contexts())
         if self.router is not None:
             self.router.stop()

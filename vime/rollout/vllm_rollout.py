@@ -7,8 +7,9 @@ Aborted and surplus groups go back to the data buffer: with ``--partial-rollout`
 otherwise reset to their prompts, so no prompt is silently skipped.
 
 The manager sets ``args.vllm_router_ip/port`` (where requests go), ``args.rollout_engine_urls`` (where
-abort/control calls go, never through the router), ``args.weight_version`` (recorded on each sample) and
-``args.rollout_sample_seeds`` (per-request seeds; off on CPU engines, see ``RolloutManager.start``).
+abort/control calls go, never through the router), ``args.weight_version`` (recorded on each sample as its
+request is sent) and ``args.rollout_sample_seeds`` (per-request seeds; off on CPU engines, see
+``RolloutManager.start``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -164,15 +166,15 @@ def _completion_payload(args, prompt: list[int], sampling_params: dict[str, Any]
     }
 
 
-def _apply_choice(args, sample: Sample, choice: dict[str, Any]) -> Sample:
+def _apply_choice(args, sample: Sample, choice: dict[str, Any], weight_version: int) -> Sample:
     """Append one returned completion choice (tokens, log-probs, text, finish reason and, with
-    ``--use-rollout-routing-replay``, the routed experts) to ``sample``."""
+    ``--use-rollout-routing-replay``, the routed experts) to ``sample``, generated from ``weight_version`` on."""
     token_ids = choice.get("token_ids") or []
     log_probs = (choice.get("logprobs") or {}).get("token_logprobs") or []
     if len(log_probs) != len(token_ids):
         raise RolloutError(f"engine returned {len(token_ids)} tokens but {len(log_probs)} log-probs")
     append_response(sample, token_ids, log_probs, choice.get("text") or "", trainable=True)
-    sample.weight_versions.append(getattr(args, "weight_version", 0))
+    sample.weight_versions.append(weight_version)
     sample.status = Status.from_finish_reason(choice.get("finish_reason"))
     has_routing = apply_choice_routing(sample, choice)
     if (
@@ -187,9 +189,16 @@ def _apply_choice(args, sample: Sample, choice: dict[str, Any]) -> Sample:
     return sample
 
 
-async def _request(ctx: RolloutContext, payload: dict[str, Any], samples: list[Sample]) -> list[dict] | None:
-    """POST one completion request for ``samples`` (bounded by the concurrency limit); None if it did not run:
-    the rollout is aborting (samples marked ABORTED) or the engine refused it (samples marked FAILED)."""
+async def _request(
+    args, ctx: RolloutContext, payload: dict[str, Any], samples: list[Sample]
+) -> tuple[list[dict], int] | None:
+    """POST one completion request for ``samples`` (bounded by the concurrency limit): its choices and the weight
+    version the engines served when it was sent; None if it did not run: the rollout is aborting (samples marked
+    ABORTED) or the engine refused it (samples marked FAILED).
+
+    The version is read when the request is sent, not when it returns: a weight sync while it runs pauses the
+    engines in place and resumes them on the new weights, so its first tokens come from the older version (a
+    request sent while a sync is under way counts as the older version too: a conservative stamp)."""
     async with ctx.semaphore:
         if ctx.aborting:
             for sample in samples:
@@ -197,8 +206,9 @@ async def _request(ctx: RolloutContext, payload: dict[str, Any], samples: list[S
             return None
         give_up_at = None
         while True:
+            version = getattr(args, "weight_version", 0)
             try:
-                return (await ctx.completion(payload))["choices"]
+                return (await ctx.completion(payload))["choices"], version
             except SampleGenerationError as exc:
                 for sample in samples:
                     sample.mark_failed(str(exc))
@@ -238,8 +248,11 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     payload = _completion_payload(args, sample.tokens, sampling_params, remaining)
     if getattr(args, "rollout_sample_seeds", False):
         payload["seed"] = sample_seed(args, sample)
-    choices = await _request(get_context(args), payload, [sample])
-    return sample if choices is None else _apply_choice(args, sample, choices[0])
+    response = await _request(args, get_context(args), payload, [sample])
+    if response is None:
+        return sample
+    choices, version = response
+    return _apply_choice(args, sample, choices[0], version)
 
 
 def is_fresh_group(group: list[Sample]) -> bool:
@@ -268,12 +281,13 @@ async def generate_fresh_group(args, group: list[Sample], sampling_params: dict[
     payload["n"] = len(group)
     if getattr(args, "rollout_sample_seeds", False):
         payload["seed"] = sample_seed(args, group[0])
-    choices = await _request(get_context(args), payload, group)
-    if choices is not None:
+    response = await _request(args, get_context(args), payload, group)
+    if response is not None:
+        choices, version = response
         if len(choices) != len(group):
             raise RolloutError(f"engine returned {len(choices)} choices for a request with n={len(group)}")
         for choice in choices:
-            _apply_choice(args, group[choice["index"]], choice)
+            _apply_choice(args, group[choice["index"]], choice, version)
     return group
 
 
@@ -350,11 +364,7 @@ async def train_rollout(
     ctx = get_context(args)
     started = time.monotonic()
     params = sampling_params
-    keep_group = (
-        load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
-        if args.dynamic_sampling_filter_path
-        else None
-    )
+    keep_group = load_dynamic_filter(args)
     target = args.rollout_batch_size
     per_round = args.over_sampling_batch_size or target
     kept: list[list[Sample]] = []
@@ -391,27 +401,54 @@ async def train_rollout(
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         raise
-    kept = kept[:target]
+    if not args.partial_rollout:
+        returned = [[reset_to_prompt(s) for s in group] for group in returned]
+    output = finish_train_rollout(
+        args,
+        data_source,
+        kept[:target],
+        filtered_out,
+        started,
+        {
+            "submitted_groups": submitted,
+            "returned_to_buffer_groups": len(returned),
+            **{f"dropped_groups/{reason}": count for reason, count in dropped.items()},
+        },
+    )
+    data_source.add_samples(returned)
+    return output
+
+
+def load_dynamic_filter(args) -> Callable[[Any, list[Sample]], DynamicFilterOutput] | None:
+    """The ``--dynamic-sampling-filter-path`` function (None: every group is kept)."""
+    path = args.dynamic_sampling_filter_path
+    return load_function(path, "--dynamic-sampling-filter-path") if path else None
+
+
+def finish_train_rollout(
+    args,
+    data_source,
+    kept: list[list[Sample]],
+    filtered_out: list[list[Sample]],
+    started: float,
+    counts: dict[str, float],
+) -> RolloutFnTrainOutput:
+    """A training batch from the kept groups (shared by the default and the fully-async rollout): slime's
+    ``--rollout-sample-filter-path`` and ``--rollout-all-samples-process-path`` hooks (the latter also sees the
+    groups the dynamic filter dropped), then the batch metrics, ``counts`` among them as ``rollout/<key>``.
+    Must run on the rollout's event loop."""
     if args.rollout_sample_filter_path:  # slime's hook: set remove_sample on samples that should not train
         load_function(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(args, kept)
     if args.rollout_all_samples_process_path:  # slime's hook: every finished group, the filtered ones too
         process = load_function(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")
         process(args, sorted(kept + filtered_out, key=lambda group: group[0].index or 0), data_source)
-    if not args.partial_rollout:
-        returned = [[reset_to_prompt(s) for s in group] for group in returned]
-    data_source.add_samples(returned)
     metrics = rollout_metrics(kept, args.reward_key)
     if getattr(args, "log_passrate", False):  # slime's --log-passrate: pass@k of the kept groups
         metrics |= {f"rollout/{key}": value for key, value in pass_rates(kept, args.reward_key).items()}
-    metrics.update(
-        {
-            "rollout/submitted_groups": submitted,
-            "rollout/returned_to_buffer_groups": len(returned),
-            "rollout/time_s": time.monotonic() - started,
-            **{f"rollout/dropped_groups/{reason}": count for reason, count in dropped.items()},
-        }
-    )
-    if ctx.retry_window_s:
+    metrics |= {f"rollout/{key}": value for key, value in counts.items()}
+    metrics["rollout/time_s"] = time.monotonic() - started
+    if getattr(args, "use_fault_tolerance", False):
+        ctx = get_context(args)
         metrics["fault/requeued_samples"], ctx.requeued_samples = float(ctx.requeued_samples), 0
     metrics["rollout/tokens_per_s"] = metrics["rollout/response_tokens"] / max(
         metrics["rollout/time_s"], 1e-9

@@ -42,6 +42,7 @@ def finalize_args(args: argparse.Namespace) -> None:
     _check_cluster(args)
     _check_data(args)
     _check_backend(args)
+    _check_fully_async(args)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -337,6 +338,29 @@ def _check_backend(args: argparse.Namespace) -> None:
                 "--train-backend megatron needs CUDA GPUs and none is visible; use --train-backend fsdp "
                 "(torch-native, runs on CPU and GPU)"
             )
+
+
+FULLY_ASYNC_ROLLOUTS = (
+    "vime.rollout.fully_async_rollout.generate_rollout",
+    "vime.rollout.fully_async_rollout.generate_rollout_fully_async",
+)
+
+
+def _check_fully_async(args: argparse.Namespace) -> None:
+    fully_async = args.rollout_function_path in FULLY_ASYNC_ROLLOUTS
+    if args.max_staleness is not None and not fully_async:
+        raise ValueError(
+            f"--max-staleness bounds the fully-async rollout only; add --rollout-function-path {FULLY_ASYNC_ROLLOUTS[0]} "
+            "or drop the flag"
+        )
+    if args.max_staleness is not None and args.max_staleness < 0:
+        raise ValueError(f"--max-staleness {args.max_staleness}: must be >= 0 (weight versions)")
+    if fully_async and args.offload_rollout:
+        raise ValueError(
+            "the fully-async rollout generates while the trainer trains: with --colocate / --offload-rollout the "
+            "engines sleep then, under its running requests. Give the engines their own GPUs (drop --colocate) or "
+            "use the default rollout"
+        )
 
 
 def check_run_paths(args: argparse.Namespace) -> None:

@@ -197,6 +197,16 @@ ROLLOUT = [
         "--engine-start-timeout",
         dict(type=float, default=600.0, help="Seconds to wait for an engine to become ready."),
     ),
+    (
+        "--max-staleness",
+        dict(
+            type=int,
+            default=None,
+            help="Fully-async rollout (--rollout-function-path vime.rollout.fully_async_rollout.generate_rollout): "
+            "most weight versions a trained sample may lag behind the weights that train on it; older groups are "
+            "generated again (default 2; train_async.py needs >= 1).",
+        ),
+    ),
 ]
 
 REWARD = [
