@@ -1,5 +1,5 @@
 """The quick start's configuration, end to end on CPU, learns: ``train.py`` and ``train_async.py`` both take the
-mean rollout reward from below 0.3 to above 0.65 (usually above 0.8), with engine and trainer log-probs agreeing
+mean rollout reward from below 0.3 to above 0.8, with engine and trainer log-probs agreeing
 throughout, and leave no process behind."""
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ def test_quickstart_config_reward_rises_above_0_8(script, tiny_model_dir, tmp_pa
         sum(rewards[i : i + 5]) / 5 for i in range(len(rewards) - 4)
     ]  # 5-step means (rewards are sampled)
     assert moving[0] < 0.3, rewards[:5]
-    # Rises well above the start within the run. Usually the 5-step mean passes 0.8 by step ~42, but in some runs
-    # the policy collapses on a wrong answer for a few prompts (entropy -> 0, so GRPO's advantage is 0 there) and
-    # the reward plateaus near 0.7 (seen once in CI: max 5-step mean 0.75, log-prob diff still 1.5e-7).
-    assert max(moving) > 0.65, rewards
-    assert sum(rewards[-10:]) / 10 > 0.6, rewards  # ... and stays learned
+    # With the recipe's learning-rate warm-up, 10 of 10 seeds pass a 5-step mean of 0.9 by step ~60 (README); before
+    # it, a few prompts sometimes collapsed on a wrong answer (all samples wrong: no GRPO signal) near 0.7.
+    assert max(moving) > 0.8, rewards
+    assert sum(rewards[-10:]) / 10 > 0.75, rewards  # ... and stays learned
     # train.py trains every rollout on the weights that generated it; train_async.py trains rollout k on weights
     # one step newer than those that generated it, so there only step 0 compares the same policy.
     assert train[0]["train/train_rollout_logprob_abs_diff"] < 1e-3
