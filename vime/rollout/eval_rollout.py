@@ -11,10 +11,10 @@ import json
 
 from transformers import AutoTokenizer
 
-from vime.rollout.eval_config import EvalDatasetConfig, load_eval_configs
 from vime.rollout.eval_metrics import compute_eval_metrics
-from vime.rollout.vllm_rollout import generate_group, stop_params
+from vime.rollout.vllm_generate import generate_group, stop_params
 from vime.utils.data import PromptDataset, load_prompt_dataset
+from vime.utils.eval_config import EvalDatasetConfig, load_eval_configs
 from vime.utils.types import RolloutFnEvalOutput, Sample, Status
 
 

@@ -20,7 +20,7 @@ from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
 from vime.backends.vllm_utils.router import connect_router, register_workers
 from vime.rollout.data_source import RolloutDataSource
-from vime.rollout.vllm_rollout import close_contexts
+from vime.rollout.vllm_generate import close_contexts
 from vime.utils.async_utils import run
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample

@@ -7,6 +7,9 @@ import importlib.util
 import logging
 import os
 
+from vime.utils.eval_config import load_eval_configs
+from vime.utils.rm_types import check_rm_type
+
 logger = logging.getLogger(__name__)
 
 
@@ -198,13 +201,7 @@ def _check_data(args: argparse.Namespace) -> None:
         raise ValueError(
             "--hf-checkpoint is required (HF model directory: tokenizer, config, initial weights)"
         )
-    from vime.rollout.eval_config import (
-        load_eval_configs,  # validates --eval-prompt-data / --eval-config early
-    )
-
     if args.rm_type is not None and not args.custom_rm_path:
-        from vime.rollout.rm_hub import check_rm_type
-
         check_rm_type(args.rm_type)
     if not load_eval_configs(args) and args.eval_interval:
         raise ValueError(f"--eval-interval {args.eval_interval} needs --eval-prompt-data or --eval-config")

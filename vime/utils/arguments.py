@@ -2,7 +2,7 @@
 
 Flags follow slime's names. ``--vllm-<flag>`` mirrors every flag of the installed vLLM server and
 ``--router-<flag>`` every flag of the installed vllm-router, generated from their own parsers
-(``vime/backends/vllm_utils/cli_parsers.py``); list them with ``--help-vllm`` / ``--help-router``.
+(``vime/utils/upstream_parsers.py``); list them with ``--help-vllm`` / ``--help-router``.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import json
 import sys
 from collections.abc import Sequence
 
-from vime.backends.vllm_utils.cli_parsers import (
+from vime.utils.arg_validation import finalize_args
+from vime.utils.megatron_args import add_megatron_arguments
+from vime.utils.passthrough_args import add_passthrough_flags, passthrough_help
+from vime.utils.upstream_parsers import (
     VIME_OWNED_ROUTER_FLAGS,
     VIME_OWNED_VLLM_FLAGS,
     build_router_parser,
     build_vllm_serve_parser,
 )
-from vime.utils.arg_validation import finalize_args
-from vime.utils.megatron_args import add_megatron_arguments
-from vime.utils.passthrough_args import add_passthrough_flags, passthrough_help
 
 ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 KL_TYPES = ["k1", "k2", "k3", "low_var_kl"]
