@@ -117,12 +117,17 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
         "top_k": getattr(args, f"{prefix}_top_k"),
         "max_tokens": getattr(args, f"{prefix}_max_response_len"),
     }
-    return params | stop_params(args)
+    return params | shared_params(args)
 
 
-def stop_params(args) -> dict[str, Any]:
-    """The ``--rollout-stop`` / ``--rollout-stop-token-ids`` request fields (shared by training and eval)."""
-    params: dict[str, Any] = {}
+def shared_params(args) -> dict[str, Any]:
+    """The request fields training and eval share: ``--rollout-stop`` / ``--rollout-stop-token-ids``, and the
+    response text's special tokens, kept unless ``--rollout-skip-special-tokens`` (slime's default and SGLang's
+    spacing: none added between special tokens)."""
+    params: dict[str, Any] = {
+        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "spaces_between_special_tokens": False,
+    }
     if args.rollout_stop:
         params["stop"] = args.rollout_stop
     if args.rollout_stop_token_ids:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
+from pathlib import Path
 
 import yaml
 
@@ -198,7 +200,7 @@ def _check_cluster(args: argparse.Namespace) -> None:
 
 
 def _check_data(args: argparse.Namespace) -> None:
-    needs_prompts = not args.load_debug_rollout_data
+    needs_prompts = not args.load_debug_rollout_data and args.rollout_global_dataset
     if needs_prompts and not args.prompt_data:
         raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
     if not args.hf_checkpoint:
@@ -411,6 +413,7 @@ def check_run_paths(args: argparse.Namespace) -> None:
                 f"--hf-checkpoint {checkpoint}: no config.json there; it must be a Hugging Face model directory "
                 "(config, tokenizer and weights, as save_pretrained writes them)"
             )
+        _check_model_name(args, path)
     for flag in ("save", "critic_save"):
         target = getattr(args, flag, None)
         if not target:
@@ -426,3 +429,21 @@ def check_run_paths(args: argparse.Namespace) -> None:
                 f"--{flag.replace('_', '-')} {target}: cannot write there ({exc.strerror}); checkpoints would fail "
                 "at the first save. Pick a writable directory"
             ) from None
+
+
+def _family(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "").removesuffix("config")
+
+
+def _check_model_name(args: argparse.Namespace, checkpoint: str) -> None:
+    """``--model-name`` (slime picks its Megatron-to-HF converter by it) must name the family of the checkpoint's
+    ``config.json``, by which vime maps weights."""
+    if not getattr(args, "model_name", None):
+        return
+    config = json.loads(Path(checkpoint, "config.json").read_text(encoding="utf-8"))
+    model_type = config.get("model_type", "")
+    if _family(args.model_name) != _family(model_type):
+        raise ValueError(
+            f"--model-name {args.model_name} names another model family than {checkpoint}/config.json "
+            f"(model_type {model_type!r}), by which vime converts weights: drop --model-name or fix --hf-checkpoint"
+        )

@@ -676,8 +676,8 @@ SYNC = [
         "--check-weight-update-equal",
         dict(
             action="store_true",
-            help="Zero the engines' weights before the first sync, then after every sync compare each engine's "
-            "log-probs of a fixed sequence with the trainer's (fails the run on a mismatch).",
+            help="After every weight sync compare each engine's log-probs of a fixed sequence with the trainer's; "
+            "a mismatch stops the run (slime checks the engines' weights).",
         ),
     ),
     (
