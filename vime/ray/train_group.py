@@ -81,7 +81,11 @@ class TrainRayActor:
         """Push the current weights to every engine (rank 0 talks to engines; all ranks gather shards)."""
         from vime.backends.vllm_utils.weight_sync import sync_weights_from_trainer
 
-        return sync_weights_from_trainer(self.trainer, self.rank, self.args, engine_urls, version, disk_dir)
+        metrics = sync_weights_from_trainer(
+            self.trainer, self.rank, self.args, engine_urls, version, disk_dir
+        )
+        self.trainer.after_weight_sync()  # --keep-old-actor: the weights the next rollout is generated with
+        return metrics
 
 
 class RayTrainGroup:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -346,3 +347,47 @@ def normalize_advantages(
     whitened = ppo_utils.masked_whiten(torch.cat(all_adv), torch.cat(all_mask))
     mine = whitened[offset : offset + local_adv.numel()] * local_mask  # untrained tokens keep advantage 0
     return list(mine.split(lengths))
+
+
+def postprocess_rollout_data(
+    postprocess: Any,
+    args: argparse.Namespace,
+    rollout_id: int,
+    samples: list[Sample],
+    rewards: list[float],
+    masks: list[torch.Tensor],
+    data: dict[str, list[torch.Tensor] | None],
+    values: list[torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """``--rollout-data-postprocess-path`` ``fn(args, rollout_id, rollout_data)`` (slime), after the log-probs and
+    advantages: ``rollout_data`` holds one rank's per-sample lists under slime's keys (``tokens``,
+    ``response_lengths``, ``total_lengths``, ``rewards``, ``loss_masks``, ``log_probs``, ``ref_log_probs``,
+    ``rollout_log_probs``, ``advantages``, ``values``, ``entropy`` with ``--use-rollout-entropy``) and ``samples``.
+    The ``loss_masks`` and ``advantages`` it leaves there are trained on (``data["advantages"]`` is updated);
+    returns the loss masks."""
+    rollout_data = {
+        "samples": samples,
+        "tokens": [torch.tensor(s.tokens) for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "total_lengths": [len(s.tokens) for s in samples],
+        "rewards": list(rewards),
+        "loss_masks": list(masks),
+        "log_probs": data["old_log_probs"],
+        "ref_log_probs": data["ref_log_probs"],
+        "rollout_log_probs": data["rollout_log_probs"],
+        "advantages": list(data["advantages"]),
+        "values": values,
+        "entropy": data.get("rollout_entropy"),
+    }
+    postprocess(args, rollout_id, rollout_data)
+    for key in ("loss_masks", "advantages"):
+        got = rollout_data[key]
+        if len(got) != len(samples) or any(
+            t.shape != (s.response_length,) for t, s in zip(got, samples, strict=True)
+        ):
+            raise ValueError(
+                f"--rollout-data-postprocess-path left rollout_data[{key!r}] in another shape: one tensor of "
+                "response_length per sample"
+            )
+    data["advantages"] = list(rollout_data["advantages"])
+    return [m.float() for m in rollout_data["loss_masks"]]
