@@ -15,7 +15,7 @@ _DEEPGEMM = (
 )
 _MTP = "vime does not train multi-token-prediction layers (--mtp-num-layers > 0 is refused too): drop it"
 _ROLLOUT_BUFFER = (
-    "configures the external rollout-buffer server of slime_plugins, which vime does not ship: point your own "
+    "configures the external rollout-buffer server of slime_plugins, which vime does not ship; instead, point your own "
     "--rollout-function-path at your buffer and give it its settings with --custom-config-path"
 )
 
