@@ -56,7 +56,7 @@ SLIME_FLAGS: dict[str, tuple[str, list[str]]] = {
     "--only-train-params-name-list": ("accepted", ["x"]),
     "--freeze-params-name-list": ("accepted", ["x"]),
     "--freeze-indexer": ("refused", []),
-    "--allgather-cp": ("accepted", []),
+    "--allgather-cp": ("accepted", ["--train-backend", "megatron", "--debug-rollout-only"]),
     "--hf-checkpoint": ("accepted", ["Qwen/Qwen3-4B"]),
     "--model-name": ("accepted", ["x"]),
     "--rollout-function-path": ("accepted", ["vime.rollout.sft_rollout.generate_rollout"]),

@@ -224,3 +224,34 @@ def test_dump_details_sets_both_debug_dumps(tmp_path):
     args = parse_args([*BASE, "--dump-details", str(tmp_path)])
     assert args.save_debug_rollout_data == str(tmp_path / "rollout_data" / "{rollout_id}.json")
     assert args.save_debug_train_data == str(tmp_path / "train_data" / "{rollout_id}_{rank}.pt")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--update-weight-mode", "delta"], "slime's delta sync needs SGLang's /pull_weights"),
+        (["--rollout-data-transport", "nixl"], "Ray's NIXL transport is not wired in"),
+        (["--update-weight-disk-keep-files"], "apply to --update-weight-transport disk only"),
+        (["--balance-by-flops"], "it needs --use-dynamic-batch-size"),
+        (["--log-probs-max-tokens-per-gpu", "8"], "add --use-dynamic-batch-size"),
+        (["--log-probs-chunk-size", "0"], "a token count > 0, or -1"),
+        (["--data-pad-size-multiplier", "128"], "Megatron backend flags"),
+        (["--keep-old-actor", "--use-rollout-logprobs"], "no old actor is needed"),
+        (["--use-stateless-adam"], "needs --optimizer adam and --no-save-optim"),
+        (
+            ["--load-forge-rollout-data", "f", "--load-debug-rollout-data", "x"],
+            "replays rollouts with engines running",
+        ),
+        (["--ci-save-grad-norm", "a", "--ci-load-grad-norm", "b"], "save in one run, compare in another"),
+        (["--profile-target", "train_actor"], "--use-pytorch-profiler"),
+        (["--memory-snapshot-num-steps", "2"], "needs --record-memory-history"),
+        (["--save-debug-rollout-data", "x", "--save-debug-train-data", "x"], "must differ"),
+        (["--check-weight-update-equal", "--debug-train-only", "--load-debug-rollout-data", "x"], "has none"),
+        (["--decoder-first-pipeline-num-layers", "3"], "no uneven pipeline stages"),
+        (["--ckpt-format", "torch"], "torch_dist only"),
+    ],
+)
+def test_combinations_that_cannot_work_are_refused_with_the_reason(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, *extra])
+    assert message in capsys.readouterr().err

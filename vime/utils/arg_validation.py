@@ -303,11 +303,13 @@ def _check_slime_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--data-pad-size-multiplier {args.data_pad_size_multiplier}: must be >= 1")
     megatron_only = [f for f, on in (("--data-pad-size-multiplier", args.data_pad_size_multiplier != 1),
                                      ("--custom-model-provider-path", args.custom_model_provider_path),
-                                     ("--padded-vocab-size", args.padded_vocab_size is not None)) if on]  # fmt: skip
+                                     ("--padded-vocab-size", args.padded_vocab_size is not None),
+                                     ("--allgather-cp", args.allgather_cp)) if on]  # fmt: skip
     if megatron_only and args.train_backend != "megatron":
         raise ValueError(
-            f"{', '.join(megatron_only)}: Megatron backend flags; the fsdp backend packs without padding and builds "
-            "the Hugging Face model of --hf-checkpoint as it is: drop them or use --train-backend megatron"
+            f"{', '.join(megatron_only)}: Megatron backend flags; the fsdp backend has no context parallelism, packs "
+            "without padding and builds the Hugging Face model of --hf-checkpoint as it is: drop them or use "
+            "--train-backend megatron"
         )
     if args.keep_old_actor and args.use_rollout_logprobs:
         raise ValueError(
@@ -363,7 +365,30 @@ _MEGATRON_PARALLELISM = (
 )
 
 
+# Megatron-LM flags (in MODEL_ARGS scripts) that vime's Megatron backend does not implement: refused when set.
+_MEGATRON_UNSUPPORTED = {
+    "decoder_first_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
+    "decoder_last_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
+    "optimizer_cpu_offload": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
+    "overlap_cpu_optimizer_d2h_h2d": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
+    "use_precision_aware_optimizer": "the precision-aware optimizer (it needs TransformerEngine)",
+    "moe_permute_fusion": "fused token permutation (it needs TransformerEngine)",
+}
+
+
 def _check_backend(args: argparse.Namespace) -> None:
+    if used := [dest for dest in _MEGATRON_UNSUPPORTED if getattr(args, dest, None) not in (None, False)]:
+        raise ValueError(
+            "; ".join(
+                f"--{d.replace('_', '-')}: vime's Megatron backend has no {_MEGATRON_UNSUPPORTED[d]}"
+                for d in used
+            )
+            + "; drop the flag"
+        )
+    if args.ckpt_format != "torch_dist":
+        raise ValueError(
+            f"--ckpt-format {args.ckpt_format}: vime writes Megatron checkpoints as torch_dist only"
+        )
     if args.mtp_num_layers:
         raise ValueError(
             f"--mtp-num-layers {args.mtp_num_layers}: vime does not train multi-token-prediction layers (a "
