@@ -255,3 +255,10 @@ def test_combinations_that_cannot_work_are_refused_with_the_reason(extra, messag
     with pytest.raises(SystemExit):
         parse_args([*BASE, *extra])
     assert message in capsys.readouterr().err
+
+
+def test_train_py_refuses_keep_old_actor_before_starting_anything():
+    import train
+
+    with pytest.raises(SystemExit, match="--keep-old-actor .* for train_async.py"):
+        train.main(parse_args([*BASE, "--keep-old-actor"]))

@@ -178,6 +178,11 @@ class TrainerBase:
                 args.custom_advantage_function_path, "--custom-advantage-function-path"
             )
 
+    @property
+    def old_policy(self) -> str:
+        """The model whose log-probs are the old policy's: ``old_actor`` with ``--keep-old-actor``, else ``actor``."""
+        return "old_actor" if self.old_actor_model is not None else "actor"
+
     def _start_memory_recording(self) -> None:
         """``--record-memory-history``, from before the model is built (a backend calls this first)."""
         self.memory_recorder = None
@@ -377,7 +382,7 @@ class TrainerBase:
             if rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs but some samples carry no rollout_log_probs")
             log_probs = rollout_log_probs
-        old_policy = "old_actor" if self.old_actor_model is not None else "actor"
+        old_policy = self.old_policy
         entropy = None
         if args.use_rollout_entropy:  # slime: the old policy's entropy, for loss-mask post-processing
             computed, entropy = self.compute_log_probs_and_entropy(samples, old_policy)

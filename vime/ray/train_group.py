@@ -55,7 +55,7 @@ class TrainRayActor:
         if kind == "values":
             return self.trainer.compute_values(partition.samples)
         return self.trainer.compute_log_probs(
-            partition.samples, model={"log_probs": "actor", "ref_log_probs": "ref"}[kind]
+            partition.samples, model={"log_probs": self.trainer.old_policy, "ref_log_probs": "ref"}[kind]
         )
 
     def sequence_log_probs(self, tokens: list[int]) -> list[float]:

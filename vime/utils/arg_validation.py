@@ -311,6 +311,10 @@ def _check_slime_flags(args: argparse.Namespace) -> None:
             "without padding and builds the Hugging Face model of --hf-checkpoint as it is: drop them or use "
             "--train-backend megatron"
         )
+    if args.keep_old_actor and args.debug_train_only:
+        raise ValueError(
+            "--keep-old-actor keeps the weights the engines generated with: --debug-train-only has none"
+        )
     if args.keep_old_actor and args.use_rollout_logprobs:
         raise ValueError(
             "--keep-old-actor with --use-rollout-logprobs: the old log-probs come from the engines, so no old "
