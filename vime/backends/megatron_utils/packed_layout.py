@@ -37,9 +37,8 @@ class PackedLayout:
     cp_rank: int = 0
     multiple: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    row_multiple: int = (
-        1  # the whole padded row's length is a multiple of this too (the last sequence pads more)
-    )
+    # the whole padded row's length is a multiple of this too (its last sequence pads more)
+    row_multiple: int = 1
 
     def __post_init__(self):
         if self.cp_size > 1 and self.multiple % (2 * self.cp_size):

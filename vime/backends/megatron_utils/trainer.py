@@ -426,7 +426,8 @@ class MegatronTrainer(TrainerBase):
                 self._run_schedule(model, mbs, collect, forward_only=True)
         finally:
             model.train(was_training)
-        return self._from_last_stage(out), (self._from_last_stage(entropies) if with_entropy else None)
+        cpu = [t.cpu() for t in self._from_last_stage(out)]
+        return cpu, ([t.cpu() for t in self._from_last_stage(entropies)] if with_entropy else None)
 
     def _from_last_stage(self, out: PerSample) -> PerSample:
         """Per-sample results live on the last pipeline stage; give every stage a copy."""
