@@ -12,6 +12,12 @@ from vime.utils.arguments import parse_args
 
 
 def main(args) -> None:
+    if args.keep_old_actor:
+        raise SystemExit(
+            "--keep-old-actor scores old log-probs with the weights of the sync before the last one, for "
+            "train_async.py (its trainer is a step ahead of the rollout it trains on); train.py trains every rollout "
+            "on the weights that generated it: drop the flag"
+        )
     run = start_run(args)
     try:
         for rollout_id in range(run.start_rollout_id, args.num_rollout):

@@ -73,3 +73,20 @@ def stall_at_rollout(args, rollout_id, data_source, evaluation=False):
     if not evaluation and str(rollout_id) == os.environ.get("VIME_TEST_STALL_AT"):
         time.sleep(3600)
     return generate_rollout(args, rollout_id, data_source, evaluation)
+
+
+IM_START_ID = 1  # the tiny model's <|im_start|>: a special token that does not end a response
+
+
+async def force_im_start(args, sample, sampling_params):
+    """Two tokens, both <|im_start|> (a logit bias forces them): the response text then shows or hides it
+    (--rollout-skip-special-tokens)."""
+    sampling_params.update(max_tokens=2, logit_bias={str(IM_START_ID): 100.0})
+    return await generate(args, sample, sampling_params)
+
+
+def record_weight_dir(args, version_dir, rollout_engines):
+    """--custom-update-weight-post-write-path: note each version directory and the files in it when called."""
+    files = sorted(os.listdir(version_dir))
+    with open(os.path.join(os.path.dirname(version_dir), "post_write.log"), "a") as log:
+        log.write(f"{os.path.basename(version_dir)} {len(rollout_engines)} {','.join(files)}\n")

@@ -151,8 +151,19 @@ def test_partial_rollout_resumes_aborted_samples(manager):
 
 
 def test_multi_turn_loss_mask_masks_tool_tokens(manager):
-    with overrides(manager.args, custom_generate_function_path="rollout_plugins.two_turns_with_tool_output"):
-        samples = [s for g in manager.generate(5).samples for s in g]
+    with overrides(
+        manager.args,
+        custom_generate_function_path="rollout_plugins.two_turns_with_tool_output",
+        log_multi_turn=True,
+        log_correct_samples=True,
+    ):
+        output = manager.generate(5)
+        samples = [s for g in output.samples for s in g]
+    raw, trained = (output.metrics[f"multi_turn/{k}_response_length_mean"] for k in ("raw", "wo_obs"))
+    assert (
+        raw == sum(s.response_length for s in samples) / len(samples) and trained == raw - 3
+    )  # 3 tool tokens
+    assert output.metrics["correct/num_samples"] == sum(s.reward == 1 for s in samples)
     for s in samples:
         first = s.loss_mask.index(0)
         assert (
@@ -179,6 +190,23 @@ def test_debug_rollout_data_round_trip(manager, tmp_path, tiny_model_dir):
     offline = RolloutManager(args, tmp_path)
     offline.start()  # starts no engine
     assert offline.engines == [] and offline.generate(6).samples == saved.samples
+    with overrides(manager.args, load_forge_rollout_data=path):  # replayed with the engines running
+        assert manager.generate(6).samples == saved.samples
+    assert manager.engines and manager.eval(0).metrics  # ... which still serve eval
+
+
+def test_special_tokens_in_the_response_text_follow_the_flag(manager):
+    texts = {}
+    for skip in (False, True):
+        with overrides(
+            manager.args,
+            custom_generate_function_path="rollout_plugins.force_im_start",
+            rollout_skip_special_tokens=skip,
+        ):
+            samples = [s for g in manager.generate(8).samples for s in g]
+        assert all(s.tokens[-2:] == [rollout_plugins.IM_START_ID] * 2 for s in samples)
+        texts[skip] = {s.response for s in samples}
+    assert texts == {False: {"<|im_start|><|im_start|>"}, True: {""}}  # slime's default keeps them
 
 
 def wait_until(predicate, timeout: float = 60.0) -> None:

@@ -1,8 +1,10 @@
-"""``train.py`` end to end on CPU: Ray, a real engine + router, the FSDP2 trainer, weight sync after each step."""
+"""``train.py`` and ``train_async.py`` end to end on CPU: Ray, a real engine + router, the FSDP2 trainer, weight sync
+after each step (checked by the run itself with ``--check-weight-update-equal`` and ``--ci-test``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,18 +16,36 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
 
 
-@pytest.mark.parametrize("transport", ["distributed", "disk"])
+# disk: with train_async.py, where rollout k is generated while the trainer learns k-1, --keep-old-actor makes the
+# old log-probs those of the weights that generated the rollout (without it they would be one step newer).
+CASES = {
+    "distributed": ("train.py", ["--log-probs-chunk-size", "3", "--recompute-loss-function", "--use-rollout-entropy",
+                                 "--balance-data", "--log-correct-samples"]),
+    "disk": ("train_async.py", ["--keep-old-actor", "--update-weight-disk-dir", "WEIGHTS", "--update-weight-disk-keep-files",
+                                "--custom-update-weight-post-write-path", "rollout_plugins.record_weight_dir"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("transport", list(CASES))
 def test_engines_track_the_trainer_after_every_weight_sync(transport, tiny_model_dir, tmp_path):
+    script, flags = CASES[transport]
+    weight_dir = tmp_path / "weights"
     argv = [
-        sys.executable, str(REPO / "train.py"), "--train-backend", "fsdp",
+        sys.executable, str(REPO / script), "--train-backend", "fsdp",
         "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(tiny_model_dir / "train.jsonl"),
         "--rollout-shuffle", "--rm-type", "exact", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
         "--rollout-max-response-len", "2", "--num-rollout", str(STEPS), "--lr", "5e-3", "--weight-decay", "0",
         "--entropy-coef", "0.1",  # a gradient every step, even when a group's rewards are all equal
-        "--update-weight-transport", transport, "--log-dir", str(tmp_path / "logs"),
+        "--update-weight-transport", transport,
+        "--log-dir", str(tmp_path / "logs"), "--check-weight-update-equal", "--ci-test",
+        "--ci-train-rollout-logprob-abs-diff-threshold", "1e-3", *[str(weight_dir) if f == "WEIGHTS" else f for f in flags],
         "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "64",
     ]  # fmt: skip
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=540, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_id"] for r in records] == list(range(STEPS))
@@ -36,3 +56,13 @@ def test_engines_track_the_trainer_after_every_weight_sync(transport, tiny_model
     assert [r["weight_sync/version"] for r in records] == [float(v) for v in range(2, STEPS + 2)]
     assert all(r["weight_sync/bytes"] > 0 for r in records)
     assert all(r["train/grad_norm"] > 0 for r in records)  # the policy moved at every step
+    # --check-weight-update-equal: after every sync each engine scored a fixed sequence as the trainer did
+    assert all(r["weight_sync/check_abs_diff"] < 1e-3 for r in records)
+    if transport == "distributed":
+        assert all(r["train/rollout_entropy"] > 0 and "correct/num_samples" in r for r in records)
+    else:  # every sync's files kept, each announced to the hook once written
+        versions = [f"v{v:07d}" for v in range(1, STEPS + 2)]
+        assert sorted(p.name for p in weight_dir.iterdir() if p.is_dir()) == versions
+        logged = (weight_dir / "post_write.log").read_text().split()
+        assert logged[0::3] == versions and set(logged[1::3]) == {"1"}
+        assert all(files.endswith(".safetensors") for files in logged[2::3])

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from vime.backends.fsdp_utils.trainer import FSDPTrainer
+from vime.backends.vllm_utils.control_client import EngineControlClient
 from vime.backends.vllm_utils.weight_sync import sync_weights
 from vime.backends.vllm_utils.weight_transports import DiskTransport, DistributedTransport
+from vime.utils import weight_check
+from vime.utils.async_utils import run
 from vime.utils.types import Sample, Status
 
 pytestmark = pytest.mark.e2e
@@ -50,6 +53,20 @@ def trainer_log_probs(trainer: FSDPTrainer) -> torch.Tensor:
     return trainer.compute_log_probs([sample])[0]
 
 
+def check_weights(trainer: FSDPTrainer, url: str) -> float:
+    """``--check-weight-update-equal``'s comparison, through vime's own control client and sequence."""
+    tokens = weight_check.check_tokens(trainer.args.hf_checkpoint)
+    sample = Sample(index=0, tokens=tokens, response_length=len(tokens) - 1, status=Status.COMPLETED)
+    expected = trainer.compute_log_probs([sample])[0].tolist()
+
+    async def engine_scores() -> list[float]:
+        async with EngineControlClient(url) as client:
+            return await client.prompt_log_probs(model_name(url), tokens)
+
+    got = run(engine_scores())
+    return weight_check.compare(expected, {url: got}, weight_check.tolerance(trainer.args), 3)
+
+
 def train_steps(trainer: FSDPTrainer, steps: int = 2) -> None:
     samples = [
         Sample(index=i, tokens=SEQUENCE[: 6 + i], response_length=3, status=Status.COMPLETED)
@@ -74,6 +91,8 @@ def test_sync_makes_the_engine_match_the_trainer(
     new = trainer_log_probs(trainer)
     assert (new - old).abs().mean() > 1e-2
     assert (engine_log_probs(engine.url, SEQUENCE) - old).abs().mean() < 1e-3  # not synced yet
+    with pytest.raises(RuntimeError, match="the sync left weights behind"):
+        check_weights(trainer, engine.url)  # what --check-weight-update-equal does after a sync
 
     if transport == "distributed":
         mover = DistributedTransport([engine.url], workers_per_engine=1, rank=0, timeout_s=120)
@@ -89,6 +108,7 @@ def test_sync_makes_the_engine_match_the_trainer(
     assert metrics["weight_sync/gb_per_s"] > 0
     synced = engine_log_probs(engine.url, SEQUENCE)
     assert (synced - new).abs().mean() < 1e-3
+    assert check_weights(trainer, engine.url) < 1e-3
     assert (synced - old).abs().mean() > 1e-2
 
     if transport == "distributed":  # the group is reused: a second sync of the same weights keeps them

@@ -364,3 +364,38 @@ def test_grouped_gemm_experts_match_the_sequential_loop(models):
         f"\n[grouped GEMM experts] log-prob diff {float((lp_loop - lp_grouped).abs().mean()):.2e}, grad cos {cosine:.5f}"
     )
     assert cosine > 0.99
+
+
+_PROVIDER = {"args": None, "calls": 0}
+
+
+def recording_provider(pre_process, post_process, vp_stage=None):
+    """--custom-model-provider-path in slime's signature: vime's own builder, counted."""
+    from vime.backends.megatron_utils.model import build_gpt_model
+
+    _PROVIDER["calls"] += 1
+    return build_gpt_model(_PROVIDER["args"], VOCAB)
+
+
+def test_slime_megatron_flags_keep_the_log_probs_and_the_update(models):
+    """--custom-model-provider-path, --padded-vocab-size, --data-pad-size-multiplier, --log-probs-chunk-size and
+    --recompute-loss-function change how the model is built and the loss computed, not the numbers."""
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+
+    samples = samples_for_test()
+    config = make_args(models["dense"], "--optimizer", "sgd", "--lr", "0.1")
+    plain = MegatronTrainer(config)
+    base = plain.compute_log_probs(samples)
+    base_metrics, base_weights = _grpo_step(plain, config, samples)
+    flags = ["--custom-model-provider-path", f"{__name__}.recording_provider", "--padded-vocab-size", "64",
+             "--data-pad-size-multiplier", "16", "--log-probs-chunk-size", "3", "--recompute-loss-function"]  # fmt: skip
+    args = make_args(models["dense"], "--optimizer", "sgd", "--lr", "0.1", *flags)
+    _PROVIDER["args"] = args
+    trainer = MegatronTrainer(args)
+    assert _PROVIDER["calls"] >= 1
+    assert trainer.module.embedding.word_embeddings.weight.shape[0] == 64  # not the default 128
+    assert mean_abs_diff(trainer.compute_log_probs(samples), base) < 1e-5
+    metrics, weights = _grpo_step(trainer, args, samples)
+    assert abs(metrics["loss"] - base_metrics["loss"]) < 1e-5
+    for name, tensor in base_weights.items():
+        torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)

@@ -208,7 +208,7 @@ def engine_samples(model_dir: str, dtype: str, log_path: Path):
 
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.vllm_utils.routed_experts import engine_options
-    from vime.rollout.vllm_rollout import _apply_choice
+    from vime.rollout.vllm_generate import _apply_choice
     from vime.utils.arguments import parse_args
     from vime.utils.types import Sample
 

@@ -8,14 +8,14 @@ import io
 
 import pytest
 
-from vime.backends.vllm_utils.cli_parsers import (
+from vime.utils.arguments import build_parser, parse_args
+from vime.utils.passthrough_args import passthrough_cli_args
+from vime.utils.upstream_parsers import (
     VIME_OWNED_ROUTER_FLAGS,
     VIME_OWNED_VLLM_FLAGS,
     build_router_parser,
     build_vllm_serve_parser,
 )
-from vime.utils.arguments import build_parser, parse_args
-from vime.utils.passthrough_args import passthrough_cli_args
 
 BASE = (
     "--train-backend fsdp --hf-checkpoint /m --prompt-data /d.jsonl --rollout-batch-size 4 "
@@ -325,7 +325,7 @@ def test_context_cap_and_eval_before_train(monkeypatch):
     from types import SimpleNamespace
 
     from vime.ray.run import Run
-    from vime.rollout.vllm_rollout import max_new_tokens
+    from vime.rollout.vllm_generate import max_new_tokens
     from vime.utils.types import Sample
 
     sample = Sample(tokens=[1] * 10, response_length=4)  # 6 prompt + 4 response tokens

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from vime.rollout.eval_config import EvalDatasetConfig, load_eval_configs
+from vime.utils.eval_config import EvalDatasetConfig, load_eval_configs
 
 
 def make_args(**overrides) -> argparse.Namespace:
@@ -181,7 +181,7 @@ def test_missing_yaml_file_names_the_path(tmp_path):
 
 
 def test_eval_flags_default_to_the_training_ones():
-    from vime.rollout.eval_config import load_eval_configs
+    from vime.utils.eval_config import load_eval_configs
 
     args = make_args(eval_prompt_data=["a", "a.jsonl"], eval_label_key="answer", rollout_max_context_len=512)
     (config,) = load_eval_configs(args)

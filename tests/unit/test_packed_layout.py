@@ -61,3 +61,19 @@ def test_rope_positions_restart_in_every_sequence():
     assert layout.rope_positions[:10].tolist() == [0, 1, 6, 7, 0, 1, 2, 9, 10, 11]
     whole = PackedLayout(LENGTHS)
     assert whole.rope_positions.tolist() == [i for n in LENGTHS for i in range(n)]
+
+
+def test_data_pad_size_multiplier_pads_the_row_at_its_end():
+    """--data-pad-size-multiplier 4 with TP 2 + SP and CP 2: each CP rank holds a multiple of 4 x TP rows; only the
+    last sequence grows (at its end), so every real token keeps its place and every sequence its even CP chunks."""
+    lengths = [5, 7, 3]
+    plain = PackedLayout.for_parallelism(lengths, 2, True, 2, 0, "cpu")
+    padded = PackedLayout.for_parallelism(lengths, 2, True, 2, 0, "cpu", pad_size_multiplier=4)
+    assert plain.padded_lengths == [8, 8, 8]
+    assert padded.padded_lengths == [8, 8, 16] and padded.local_length % (4 * 2) == 0
+    real = torch.arange(sum(lengths))
+    assert torch.equal(padded.to_padded(real), plain.to_padded(real))
+    assert torch.equal(padded.logit_rows(real[:-1])[0], plain.logit_rows(real[:-1])[0])
+    assert PackedLayout.for_parallelism(
+        lengths, 2, True, 2, 0, "cpu", pad_size_multiplier=1
+    ).padded_lengths == [8, 8, 8]

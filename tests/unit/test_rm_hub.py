@@ -409,3 +409,8 @@ def test_math_works_off_the_main_thread():
     # math-verify's own timeout uses signal.alarm, which raises outside the main thread (e.g. Ray actors).
     reward = asyncio.run(asyncio.to_thread(compute_math_reward, r"\boxed{0.5}", r"\frac{1}{2}"))
     assert reward == 1.0
+
+
+def test_every_rm_type_name_is_implemented():
+    # the names live in vime.utils.rm_types (checked at parse time); rm_hub implements each of them
+    assert set(rm_hub._RULE_BASED) | {"remote_rm"} == set(rm_hub.RM_TYPES)

@@ -36,6 +36,7 @@ def _args():
         rewards_normalization=True,
         reward_key=None,
         global_batch_size=4,
+        balance_data=False,
     )
 
 

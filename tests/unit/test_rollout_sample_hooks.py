@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from vime.rollout import vllm_rollout
+from vime.rollout import vllm_generate
 from vime.rollout.data_source import RolloutDataSource
 from vime.utils.data import PromptDataset
 from vime.utils.types import Sample, Status
@@ -36,11 +36,11 @@ def test_sample_hooks_run_in_order_before_the_reward(monkeypatch):
     async def fake_reward(args, samples):
         rewarded.extend((s.index, s.response, s.metadata.get("tagged")) for s in samples)
 
-    monkeypatch.setattr(vllm_rollout, "reward_samples", fake_reward)
+    monkeypatch.setattr(vllm_generate, "reward_samples", fake_reward)
     CALLS.clear()
     args = argparse.Namespace(rollout_sample_hook_path=[f"{__name__}.tag_hook", f"{__name__}.replace_hook"])
     group = [Sample(index=i, status=Status.COMPLETED) for i in range(2)]
-    out = asyncio.run(vllm_rollout._rewarded(args, group, rollout_id=7))
+    out = asyncio.run(vllm_generate._rewarded(args, group, rollout_id=7))
     assert CALLS == [
         ("sync", 0, 7, False),
         ("sync", 1, 7, False),
@@ -51,7 +51,7 @@ def test_sample_hooks_run_in_order_before_the_reward(monkeypatch):
     assert rewarded == [(0, "replaced", True), (1, "replaced", True)]
     CALLS.clear()  # an aborted group goes back to the buffer untouched
     aborted = [Sample(index=3, status=Status.ABORTED)]
-    assert asyncio.run(vllm_rollout._rewarded(args, aborted, rollout_id=8)) == aborted and CALLS == []
+    assert asyncio.run(vllm_generate._rewarded(args, aborted, rollout_id=8)) == aborted and CALLS == []
 
 
 def test_buffer_filter_chooses_the_buffered_groups():
@@ -74,9 +74,9 @@ def test_mask_offpolicy_in_partial_rollout_masks_the_earlier_response():
     partial = Sample(
         tokens=[1, 2, 3, 4], response_length=2, status=Status.ABORTED, rollout_log_probs=[-0.1, -0.2]
     )
-    vllm_rollout.mask_previous_response(partial)
+    vllm_generate.mask_previous_response(partial)
     partial.append_response_tokens(tokens=[5], log_probs=[-0.3])
     assert partial.loss_mask == [0, 0, 1] and partial.rollout_log_probs == [-0.1, -0.2, -0.3]
     fresh = Sample(tokens=[1, 2], response_length=0, status=Status.PENDING)
-    vllm_rollout.mask_previous_response(fresh)
+    vllm_generate.mask_previous_response(fresh)
     assert fresh.loss_mask is None

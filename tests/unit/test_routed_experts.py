@@ -14,7 +14,7 @@ import torch
 from vime.backends.vllm_utils import routed_experts as engine_routing
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.rollout_manager import RolloutManager, load_rollout_data, save_rollout_data
-from vime.rollout.vllm_rollout import RolloutError, _apply_choice, reset_to_prompt
+from vime.rollout.vllm_generate import RolloutError, _apply_choice, reset_to_prompt
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils import routed_experts
 from vime.utils.arguments import parse_args
@@ -186,6 +186,7 @@ def test_flags_keep_slimes_names_and_refuse_what_cannot_work(capsys):
             "SFT has no",
         ),
         (["--train-backend", "megatron", "--use-routing-replay"], "--num-experts is not set"),
+        (["--train-backend", "fsdp", "--use-routing-replay", "--keep-old-actor"], "routers are not hooked"),
     ]
     for extra, message in refused:
         with pytest.raises(SystemExit):

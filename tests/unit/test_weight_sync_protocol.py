@@ -3,6 +3,9 @@ with a fake engine group, the disk transport's writer, and the flat buckets the 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -43,7 +46,7 @@ class FakeTransport:
     def __init__(self, fail: bool = False):
         self.fail = fail
 
-    def stage(self, buckets, rank):
+    def stage(self, buckets, rank, version):
         RecordingEngines.calls.append("stage")
         return buckets, 0
 
@@ -149,7 +152,8 @@ def test_make_transport_builds_each_once_and_names_a_missing_directory(tmp_path)
 
     def args(transport, weight_dir=None):
         return SimpleNamespace(update_weight_transport=transport, rollout_num_gpus_per_engine=2,
-                               update_weight_dir=weight_dir)  # fmt: skip
+                               update_weight_dir=weight_dir, update_weight_disk_keep_files=False,
+                               custom_update_weight_post_write_path=None)  # fmt: skip
 
     urls = ["http://e0", "http://e1"]
     disk = weight_sync.make_transport(args("disk"), urls, tmp_path, rank=0)
@@ -163,3 +167,40 @@ def test_make_transport_builds_each_once_and_names_a_missing_directory(tmp_path)
     assert isinstance(ipc, TensorTransport) and ipc.num_workers == 4
     with pytest.raises(ValueError, match="needs a shared directory: pass --update-weight-dir"):
         weight_sync.make_transport(args("disk"), ["http://other"], None, rank=0)
+
+
+SEEN_BY_HOOK: list[tuple] = []
+
+
+def post_write_hook(args, version_dir, rollout_engines):
+    """A --custom-update-weight-post-write-path hook: records what it saw when it ran."""
+    SEEN_BY_HOOK.append(
+        (args.marker, version_dir, sorted(p.name for p in Path(version_dir).iterdir()), rollout_engines)
+    )
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_disk_sync_writes_a_directory_per_version_runs_the_hook_and_cleans_up(
+    engines, tmp_path, keep, monkeypatch
+):
+    from types import SimpleNamespace
+
+    SEEN_BY_HOOK.clear()
+    args = SimpleNamespace(update_weight_transport="disk", rollout_num_gpus_per_engine=1, update_weight_dir=None,
+                           update_weight_disk_keep_files=keep, marker="mine",
+                           custom_update_weight_post_write_path=f"{__name__}.post_write_hook")  # fmt: skip
+    reloaded = []
+    monkeypatch.setattr(
+        engines,
+        "reload_weights",
+        lambda self, path: reloaded.append((path, sorted(os.listdir(path)))),
+        raising=False,
+    )
+    transport = weight_sync.make_transport(args, ["http://e0"], tmp_path / f"w{keep}", rank=0)
+    for version in (1, 2):
+        weight_sync.sync_weights(["http://e0"], _buckets(), transport, version)
+    dirs = [str(tmp_path / f"w{keep}" / f"v{v:07d}") for v in (1, 2)]
+    files = ["model-00000.safetensors", "model-00001.safetensors"]
+    assert SEEN_BY_HOOK == [("mine", d, files, ["http://e0"]) for d in dirs]  # written before the hook ran
+    assert reloaded == [(d, files) for d in dirs]  # the engines read each version's own directory
+    assert [Path(d).is_dir() for d in dirs] == [keep, keep]  # deleted once loaded unless kept

@@ -15,25 +15,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from vime.backends.memory_check import check_memory_plan
 from vime.backends.routing_plan import RoutingPlan, make_routing_plan, routing_pass
+from vime.utils.flops import sequence_flops
 from vime.utils.loss import make_reducer, policy_loss, sft_loss
-from vime.utils.memory_plan import (
-    GIB,
-    MemoryPlan,
-    MemoryProbe,
-    plan_memory,
-    planned_micro_batch_tokens,
-    unallocated_optimizer_state_bytes,
-)
+from vime.utils.memory_plan import MemoryPlan
 from vime.utils.misc import load_function
 from vime.utils.mismatch import STAT_KEYS, mismatch_metrics, mismatch_statistics
-from vime.utils.offload import GPUOffloader, torch_optimizers
+from vime.utils.offload import GPUOffloader, copy_weights, local_shard, torch_optimizers
 from vime.utils.ppo_utils import apply_opd_kl
 from vime.utils.routing_replay import ReplayMode, RoutingReplay
 from vime.utils.train_data import (
     PackedBatch,
+    balanced_partitions,
     compute_advantages_and_returns,
     dynamic_micro_batches,
     fixed_micro_batches,
@@ -42,7 +37,9 @@ from vime.utils.train_data import (
     min_micro_batches,
     normalize_advantages,
     pack_samples,
+    postprocess_rollout_data,
 )
+from vime.utils.train_debug import MemoryRecorder, ci_check_rollout, ci_check_step, save_train_data
 from vime.utils.types import Sample
 
 PerSample = list[torch.Tensor]
@@ -85,19 +82,6 @@ def teacher_log_probs_of(samples: list[Sample], log_probs: PerSample) -> PerSamp
     return teacher
 
 
-def _synthetic_samples(total_tokens: int, sample_tokens: int) -> list[Sample]:
-    """Samples of ``sample_tokens`` tokens (the last one shorter) totalling ``total_tokens``, each a one-token
-    prompt and a response (every position goes through the LM head, the worst case for memory)."""
-    generator = torch.Generator().manual_seed(0)
-    samples = []
-    while total_tokens >= 2:
-        length = min(sample_tokens, total_tokens)
-        tokens = torch.randint(0, 32, (length,), generator=generator).tolist()  # in any vocabulary
-        samples.append(Sample(index=len(samples), tokens=tokens, response_length=length - 1))
-        total_tokens -= length
-    return samples
-
-
 class TrainerBase:
     """Backend-neutral training; see the module docstring. ``role`` is ``"actor"`` or ``"critic"``."""
 
@@ -132,11 +116,25 @@ class TrainerBase:
                 data = {"old_values": values, "returns": returns}
             else:
                 data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
+                if self.postprocess_fn is not None:
+                    masks = postprocess_rollout_data(
+                        self.postprocess_fn, self.args, rollout_id, samples, rewards, masks, data, values
+                    )
+                ci_check_rollout(self.args, extra)
             metrics = self._optimize(rollout_id, samples, masks, data)
         finally:
             if self.routing is not None:  # the recorded routing belongs to this step only
                 self.routing.clear()
         metrics.update(extra)
+        if self.role == "actor" and self.args.save_debug_train_data and self._is_data_parallel_leader():
+            entropy = data.pop("rollout_entropy", None)
+            save_train_data(self.args.save_debug_train_data, rollout_id, self.dp_rank, {
+                "sample_indices": [s.index for s in samples], "tokens": [torch.tensor(s.tokens) for s in samples],
+                "response_lengths": [s.response_length for s in samples], "rewards": rewards, "loss_masks": masks,
+                "values": values, "entropy": entropy, **data,
+            })  # fmt: skip
+        if self.memory_recorder is not None:
+            self.memory_recorder.after_rollout(rollout_id)
         interval = getattr(self.args, "ref_update_interval", None)
         if (
             self.role == "actor"
@@ -151,16 +149,23 @@ class TrainerBase:
         """The policy's module whose parameter names match the reference model's."""
         raise NotImplementedError
 
-    @torch.no_grad()
     def _update_ref_model(self) -> None:
         """``--ref-update-interval`` (slime): the reference model takes the policy's current weights."""
-        policy = dict(self._trained_module().named_parameters())
-        for name, param in self.ref_model.named_parameters():
-            source = policy[name]
-            if isinstance(param, DTensor):  # both sharded alike (FSDP2): copy this rank's shard
-                param.to_local().copy_(source.to_local())
-            else:
-                param.copy_(source.full_tensor() if isinstance(source, DTensor) else source)
+        copy_weights(self.ref_model, self._trained_module().named_parameters())
+
+    def after_weight_sync(self) -> None:
+        """``--keep-old-actor`` (slime): the old actor takes the weights the engines generated the coming rollout
+        with. With ``--update-weights-interval 1`` (``train_async.py`` trains on a rollout made before the last
+        sync) those are the previous sync's: kept on the host from one sync to the next; otherwise the current."""
+        if self.old_actor_model is None:
+            return
+        current = self._trained_module().named_parameters()
+        if self.args.update_weights_interval != 1:
+            copy_weights(self.old_actor_model, current)
+            return
+        snapshot = {name: local_shard(param).detach().to("cpu", copy=True) for name, param in current}
+        copy_weights(self.old_actor_model, (self._rollout_weights or snapshot).items())
+        self._rollout_weights = snapshot
 
     def _init_policy_models_and_hooks(
         self, build_frozen: Callable[[str, int | None], Any], is_actor: bool = True
@@ -177,6 +182,20 @@ class TrainerBase:
         if is_actor and args.use_opd and args.opd_type == "trainer":
             self.teacher_model = build_frozen(
                 args.opd_teacher_load, getattr(args, "opd_teacher_ckpt_step", None)
+            )
+        self.old_actor_model = (
+            build_frozen(args.hf_checkpoint, None) if is_actor and args.keep_old_actor else None
+        )
+        self._rollout_weights: dict[str, torch.Tensor] | None = None
+        self.postprocess_fn = (
+            load_function(args.rollout_data_postprocess_path, "--rollout-data-postprocess-path")
+            if args.rollout_data_postprocess_path
+            else None
+        )
+        if args.save_debug_train_data and "{rank}" not in args.save_debug_train_data and self.dp_size > 1:
+            raise ValueError(
+                f"--save-debug-train-data {args.save_debug_train_data}: {self.dp_size} data-parallel ranks each write "
+                "their own file; put {rank} in the path"
             )
         self.loss_fn: Callable = sft_loss if args.loss_type == "sft_loss" else policy_loss
         if args.custom_loss_function_path:
@@ -202,6 +221,23 @@ class TrainerBase:
         """Context: the routers record or replay in ``mode`` (see :func:`routing_pass`)."""
         return routing_pass(self.routing, mode)
 
+    @property
+    def old_policy(self) -> str:
+        """The model whose log-probs are the old policy's: ``old_actor`` with ``--keep-old-actor``, else ``actor``."""
+        return "old_actor" if self.old_actor_model is not None else "actor"
+
+    def _start_memory_recording(self) -> None:
+        """``--record-memory-history``, from before the model is built (a backend calls this first)."""
+        self.memory_recorder = None
+        if self.args.record_memory_history:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.memory_recorder = MemoryRecorder(self.args, self.role, rank)
+            self.memory_recorder.start()
+
+    def _is_data_parallel_leader(self) -> bool:
+        """Whether this rank speaks for its data-parallel rank (its model-parallel peers hold the same data)."""
+        return True
+
     def _entropy_needs_grad(self) -> bool:
         """Whether the loss differentiates the entropy: ``--entropy-coef``, or a custom loss (it may)."""
         return bool(self.args.entropy_coef) or self.loss_fn not in (policy_loss, sft_loss)
@@ -221,65 +257,9 @@ class TrainerBase:
                     state["step"] = 0
 
     def check_memory_plan(self) -> MemoryPlan | None:
-        """Before the first step (CUDA only): predict the peak memory of the largest micro-batch the plan allows
-        from two smaller synthetic forward/backward passes (:mod:`vime.utils.memory_plan`) and fail now, on every
-        rank, with the numbers and the flags to change when it cannot fit. Collective."""
-        tokens = planned_micro_batch_tokens(self.args, self._micro_batch_token_budget())
-        if not torch.cuda.is_available() or tokens is None or tokens < 64:
-            return None
-        resident = torch.cuda.memory_allocated()
-        free, _ = torch.cuda.mem_get_info()
-        available = free + torch.cuda.memory_reserved()
-        probes = []
-        for size in (
-            min(tokens // 4, 2048),
-            min(tokens // 2, 4096),
-        ):  # small: a probe must not run out itself
-            torch.cuda.reset_peak_memory_stats()
-            try:
-                self._memory_probe(_synthetic_samples(size, self._longest_sample(size)))
-            except torch.OutOfMemoryError as e:
-                raise MemoryError(
-                    f"the {self.role}'s memory check ran out of GPU memory on a micro-batch of only {size} tokens "
-                    f"({available / GIB:.1f} GiB usable): the model does not fit this GPU as configured; "
-                    "spread it over more GPUs (tensor, pipeline or expert parallelism)"
-                ) from e
-            probes.append(MemoryProbe(size, torch.cuda.max_memory_allocated()))
-        torch.cuda.empty_cache()
-        missing = unallocated_optimizer_state_bytes(torch_optimizers(self.optimizer))
-        plan = plan_memory(*probes, tokens, resident, missing, available)
-        any_over = self._world_max([0 if plan.fits else 1])[0]
-        if plan.fits and not any_over:
-            tight = "warning: tight, " if plan.predicted_peak_bytes > 0.9 * available else ""
-            print(f"[vime] {self.role} memory plan: {tight}{plan.summary()}", flush=True)
-            return plan
-        if plan.fits:
-            raise MemoryError("another training rank's micro-batch plan does not fit in its GPU memory")
-        args = self.args
-        fix = "--gradient-checkpointing" if args.train_backend == "fsdp" else "--recompute-granularity full"
-        if args.use_dynamic_batch_size:  # the budget may be --max-tokens-per-gpu x CP
-            lower = f"--max-tokens-per-gpu {plan.max_fitting_tokens * args.max_tokens_per_gpu // tokens}"
-        else:
-            lower = f"--micro-batch-size {plan.max_fitting_tokens * args.micro_batch_size // tokens}"
-        raise MemoryError(
-            f"the {self.role}'s {plan.summary()}. Set {lower} or lower, turn on {fix}, or spread the model "
-            f"over more GPUs (this process can use {available / GIB:.1f} GiB of this GPU)"
-        )
-
-    def _longest_sample(self, tokens: int) -> int:
-        """Length of the synthetic samples a memory probe packs: the longest sample the run can produce."""
-        args = self.args
-        longest = (
-            args.rollout_max_context_len or (args.rollout_max_prompt_len or 0) + args.rollout_max_response_len
-        )
-        return max(min(longest, tokens), 2)
-
-    def _world_max(self, values: list[int]) -> list[int]:
-        """Element-wise maximum over every rank of this trainer."""
-        tensor = torch.tensor(values, dtype=torch.int64, device="cuda")
-        if dist.is_initialized():
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
+        """Before the first step (CUDA only): fail now, with the numbers and the flags to change, when the largest
+        planned micro-batch cannot fit (:func:`vime.backends.memory_check.check_memory_plan`). Collective."""
+        return check_memory_plan(self)
 
     def _memory_probe(self, samples: list[Sample]) -> None:
         """One forward/backward of ``samples`` packed into one micro-batch, gradients then cleared (no step)."""
@@ -325,24 +305,40 @@ class TrainerBase:
         """Element-wise maximum of floats over the data-parallel ranks."""
         raise NotImplementedError
 
-    def _micro_batch_token_budget(self) -> int | None:
-        """Tokens a packed micro-batch may hold (``--max-tokens-per-gpu``: one GPU holds the whole row)."""
-        return self.args.max_tokens_per_gpu
+    def _micro_batch_token_budget(self, forward_only: bool = False) -> int | None:
+        """Tokens a packed micro-batch may hold (``--max-tokens-per-gpu``, ``--log-probs-max-tokens-per-gpu`` for
+        forward-only passes: one GPU holds the whole row)."""
+        args = self.args
+        return (
+            (args.log_probs_max_tokens_per_gpu or args.max_tokens_per_gpu)
+            if forward_only
+            else args.max_tokens_per_gpu
+        )
 
-    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+    def _micro_batches(self, samples: list[Sample], forward_only: bool = False) -> list[list[int]]:
         """Sample indices of each micro-batch (``--micro-batch-size``, or packed up to ``--max-tokens-per-gpu``
-        with ``--use-dynamic-batch-size``). Every data-parallel rank gets the same number of micro-batches
-        (collectives run per forward/backward), so ranks must hold equally many samples."""
+        with ``--use-dynamic-batch-size``; by estimated FLOPs with ``--balance-by-flops``). Every data-parallel
+        rank gets the same number of micro-batches (collectives run per forward/backward), so ranks must hold
+        equally many samples."""
         args = self.args
         lengths = [len(s.tokens) for s in samples]
-        budget = self._micro_batch_token_budget()
-        needed = min_micro_batches(lengths, budget) if args.use_dynamic_batch_size else 0
+        budget = self._micro_batch_token_budget(forward_only)
+        needed = 0
+        if args.use_dynamic_batch_size:
+            needed = (
+                min(len(samples), -(-sum(lengths) // budget))  # slime: the tokens' share of the budget
+                if args.balance_by_flops
+                else min_micro_batches(lengths, budget)
+            )
         most, minus_fewest, num_micro_batches = self._reduce_max([len(samples), -len(samples), needed])
         if most != -minus_fewest:
             raise ValueError(
                 f"data-parallel ranks hold between {-minus_fewest} and {most} samples; split rollouts with "
                 "vime.utils.train_data.split_rollout so every rank gets the same number"
             )
+        if args.use_dynamic_batch_size and args.balance_by_flops:  # may exceed the token budget (slime)
+            flops = sequence_flops(lengths, args.hf_checkpoint)
+            return sorted(balanced_partitions(flops, max(num_micro_batches, 1), equal_size=False))
         if args.use_dynamic_batch_size:
             return dynamic_micro_batches(lengths, budget, num_micro_batches)
         return fixed_micro_batches(len(samples), args.micro_batch_size)
@@ -431,8 +427,13 @@ class TrainerBase:
             if rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs but some samples carry no rollout_log_probs")
             log_probs = rollout_log_probs
+        old_policy = self.old_policy
+        entropy = None
+        if args.use_rollout_entropy:  # slime: the old policy's entropy, for loss-mask post-processing
+            computed, entropy = self.compute_log_probs_and_entropy(samples, old_policy)
+            log_probs = computed if log_probs is None else log_probs
         if log_probs is None:
-            log_probs = self.compute_log_probs(samples)
+            log_probs = self.compute_log_probs(samples, old_policy)
         if ref_log_probs is None and self.ref_model is not None:
             ref_log_probs = self.compute_log_probs(samples, "ref")
         if args.compute_advantages_and_returns:
@@ -465,6 +466,9 @@ class TrainerBase:
             "ref_log_probs": ref_log_probs,
             "rollout_log_probs": rollout_log_probs,
         }
+        if entropy is not None:
+            data["rollout_entropy"] = entropy
+            metrics["rollout_entropy"] = self._masked_mean(entropy, masks)
         if rollout_log_probs is not None:
             metrics["train_rollout_logprob_abs_diff"] = self._masked_mean(
                 [(x.cpu() - y.cpu()).abs() for x, y in zip(log_probs, rollout_log_probs, strict=True)], masks
@@ -490,7 +494,7 @@ class TrainerBase:
         log-prob)."""
         total, count = self._reduce_sum(
             [
-                sum(float((v * m).sum()) for v, m in zip(values, masks, strict=True)),
+                sum(float((v.cpu() * m).sum()) for v, m in zip(values, masks, strict=True)),
                 float(sum(m.sum() for m in masks)),
             ]
         )
@@ -512,4 +516,9 @@ class TrainerBase:
             self._before_train_step(rollout_id, step)
             step_data = {k: v[chunk] if v is not None else None for k, v in data.items()}
             per_step.append(self._train_step(samples[chunk], masks[chunk], step_data))
+            if self.args.use_stateless_adam:  # slime: Adam's moments start at zero again every step
+                for inner in torch_optimizers(self.optimizer):
+                    inner.state.clear()
+            same_policy = self.old_actor_model is None and not self.args.use_rollout_logprobs
+            ci_check_step(self.args, self.role, rollout_id, step, per_step[-1], same_policy)
         return {k: sum(m[k] for m in per_step) / steps for k in per_step[0]}

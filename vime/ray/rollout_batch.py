@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import ray
 
-from vime.utils.train_data import shape_rewards, split_rollout
+from vime.utils.flops import sequence_flops
+from vime.utils.train_data import split_rollout, train_samples_and_rewards
 from vime.utils.types import RolloutFnTrainOutput, Sample
 
 
@@ -34,12 +35,14 @@ class RolloutBatch:
 def make_batch(args, output: RolloutFnTrainOutput, dp_sizes: tuple[int, ...]) -> RolloutBatch:
     """Shape the rewards of ``output`` over the whole rollout and put each rank's share for every data-parallel size
     in ``dp_sizes`` into the object store (called where the rollout was made, e.g. in the rollout manager)."""
-    samples = [s for group in output.samples for s in group]
-    batch = RolloutBatch(metrics=output.metrics or {}, num_samples=len(samples))
+    num_samples = sum(len(group) for group in output.samples)
+    batch = RolloutBatch(metrics=output.metrics or {}, num_samples=num_samples)
     if not dp_sizes:
         return batch
-    rewards = shape_rewards(args, output.samples)
+    samples, rewards = train_samples_and_rewards(args, output.samples)
     lengths = [len(s.tokens) for s in samples]
+    if args.balance_data:  # slime: balance the ranks' estimated FLOPs, not only their tokens
+        lengths = sequence_flops(lengths, args.hf_checkpoint)
     for dp_size in set(dp_sizes):
         parts = split_rollout(lengths, dp_size, args.global_batch_size)
         batch.indices[dp_size] = parts

@@ -16,6 +16,7 @@ from vime.ray.placement_group import create_placement_groups, num_bundles
 from vime.ray.rollout_batch import RolloutBatch
 from vime.ray.rollout_manager import bundle_gpus, create_rollout_manager
 from vime.ray.train_group import RayTrainGroup
+from vime.utils import weight_check
 from vime.utils.arg_validation import check_run_paths
 from vime.utils.tracking import Tracker
 
@@ -166,8 +167,17 @@ class Run:
         ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
         ray.get(self.manager.before_weight_update.remote())  # until set_weight_version
         metrics = self._push_weights(sync_dir)
+        if self.args.check_weight_update_equal:  # the trainer's side, before its weights leave the GPU
+            tokens = weight_check.check_tokens(self.args.hf_checkpoint)
+            expected = self.actor.sequence_log_probs(tokens)
         metrics |= self.offload_trainers()  # after the sync: it reads the actor's weights
         ray.get(self.manager.wake_up.remote(["kv_cache"]))
+        if self.args.check_weight_update_equal:
+            scores = ray.get(self.manager.engine_log_probs.remote(tokens))
+            tol = weight_check.tolerance(self.args)
+            metrics["weight_sync/check_abs_diff"] = weight_check.compare(
+                expected, scores, tol, self.weight_version
+            )
         ray.get(self.manager.set_weight_version.remote(self.weight_version))
         return {**metrics, "time/sync_s": time.monotonic() - started}
 

@@ -11,6 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vime.ray.placement_group import Bundles
 from vime.ray.rollout_batch import RolloutBatch, TrainPartition, regroup
 from vime.utils.misc import free_port
+from vime.utils.types import Sample, Status
 
 PerSample = list[torch.Tensor]  # one per-token tensor per sample
 
@@ -54,8 +55,15 @@ class TrainRayActor:
         if kind == "values":
             return self.trainer.compute_values(partition.samples)
         return self.trainer.compute_log_probs(
-            partition.samples, model={"log_probs": "actor", "ref_log_probs": "ref"}[kind]
+            partition.samples, model={"log_probs": self.trainer.old_policy, "ref_log_probs": "ref"}[kind]
         )
+
+    def sequence_log_probs(self, tokens: list[int]) -> list[float]:
+        """The policy's log-probs of ``tokens[1:]`` (every rank scores the same sequence)."""
+        sample = Sample(
+            index=0, tokens=list(tokens), response_length=len(tokens) - 1, status=Status.COMPLETED
+        )
+        return self.trainer.compute_log_probs([sample])[0].tolist()
 
     def save(self, rollout_id: int, save_dir: str) -> None:
         self.trainer.save(rollout_id, save_dir)
@@ -73,7 +81,11 @@ class TrainRayActor:
         """Push the current weights to every engine (rank 0 talks to engines; all ranks gather shards)."""
         from vime.backends.vllm_utils.weight_sync import sync_weights_from_trainer
 
-        return sync_weights_from_trainer(self.trainer, self.rank, self.args, engine_urls, version, disk_dir)
+        metrics = sync_weights_from_trainer(
+            self.trainer, self.rank, self.args, engine_urls, version, disk_dir
+        )
+        self.trainer.after_weight_sync()  # --keep-old-actor: the weights the next rollout is generated with
+        return metrics
 
 
 class RayTrainGroup:
@@ -143,6 +155,10 @@ class RayTrainGroup:
         """:meth:`train_async` and wait; the last rank's metrics (global values; with pipeline parallelism only the
         last stage has the loss)."""
         return ray.get(self.train_async(rollout_id, batch, **per_sample))[-1]
+
+    def sequence_log_probs(self, tokens: list[int]) -> list[float]:
+        """The policy's log-probs of ``tokens[1:]`` (rank 0's; every rank computes them, collectively)."""
+        return ray.get([actor.sequence_log_probs.remote(tokens) for actor in self.actors])[0]
 
     def save(self, rollout_id: int, save_dir: str) -> None:
         ray.get([actor.save.remote(rollout_id, save_dir) for actor in self.actors])

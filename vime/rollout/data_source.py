@@ -29,14 +29,15 @@ class RolloutDataSource:
     """Serves groups of ``--n-samples-per-prompt`` copies of each prompt, epoch after epoch.
 
     Groups handed back with :meth:`add_samples` (aborted partial rollouts, unused over-sampled groups) are
-    served first, unchanged, before new prompts are drawn.
+    served first, unchanged, before new prompts are drawn. With ``--disable-rollout-global-dataset`` there is no
+    dataset: new groups are empty samples (slime), for a rollout function that makes its own prompts.
     """
 
     def __init__(
         self, args: argparse.Namespace, tokenizer: Any, dataset: PromptDataset | None = None
     ) -> None:
         self.args = args
-        if dataset is None:
+        if dataset is None and getattr(args, "rollout_global_dataset", True):
             dataset = load_prompt_dataset(
                 args.prompt_data,
                 tokenizer,
@@ -49,7 +50,7 @@ class RolloutDataSource:
                 max_prompt_len=args.rollout_max_prompt_len,
                 keep_messages=getattr(args, "loss_type", "policy_loss") == "sft_loss",
             )
-        self.dataset = dataset
+        self.dataset: PromptDataset | None = dataset
         self.epoch_id = 0  # completed passes over the dataset = the epoch the next prompt comes from
         self.offset = 0  # position of the next prompt in this epoch's order
         self.next_group_index = 0
@@ -65,9 +66,9 @@ class RolloutDataSource:
 
         Rounded down: the remaining prompts are not dropped, they open the next step, so a batch may span an
         epoch boundary. Multiply by ``--num-epoch`` to get ``--num-rollout``; 0 when the dataset is smaller
-        than one batch.
+        than one batch (or without a dataset).
         """
-        return len(self.dataset) // self.args.rollout_batch_size
+        return len(self.dataset) // self.args.rollout_batch_size if self.dataset is not None else 0
 
     @property
     def buffer_size(self) -> int:
@@ -85,6 +86,8 @@ class RolloutDataSource:
         else:
             groups = self.buffer[:num_groups]
             del self.buffer[:num_groups]
+        while len(groups) < num_groups and self.dataset is None:
+            groups.append(self._make_group(Sample()))
         while len(groups) < num_groups:
             order = self._epoch_order()
             prompt = self.dataset.samples[order[self.offset]]
@@ -127,7 +130,7 @@ class RolloutDataSource:
     def _fingerprint(self) -> dict[str, Any]:
         # The prompt order is a function of these; resuming with any of them changed would not be exact.
         return {
-            "num_prompts": len(self.dataset),
+            "num_prompts": len(self.dataset) if self.dataset is not None else None,
             "spec": self.args.prompt_data,
             "rollout_seed": self.args.rollout_seed,
             "rollout_shuffle": self.args.rollout_shuffle,
@@ -172,7 +175,7 @@ class RolloutDataSource:
                 f"but this run has {current['spec']!r} ({current['num_prompts']} prompts); differs in {differ}. "
                 "Resume with the same --prompt-data, --rollout-max-prompt-len, --rollout-seed and --rollout-shuffle"
             )
-        if not 0 <= state["offset"] < len(self.dataset):
+        if self.dataset is not None and not 0 <= state["offset"] < len(self.dataset):
             raise ValueError(f"data-source state offset {state['offset']} outside [0, {len(self.dataset)})")
         self.epoch_id = state["epoch_id"]
         self.offset = state["offset"]

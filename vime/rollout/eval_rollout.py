@@ -11,10 +11,10 @@ import json
 
 from transformers import AutoTokenizer
 
-from vime.rollout.eval_config import EvalDatasetConfig, load_eval_configs
 from vime.rollout.eval_metrics import compute_eval_metrics
-from vime.rollout.vllm_rollout import generate_group, stop_params
+from vime.rollout.vllm_generate import generate_group, shared_params
 from vime.utils.data import PromptDataset, load_prompt_dataset
+from vime.utils.eval_config import EvalDatasetConfig, load_eval_configs
 from vime.utils.types import RolloutFnEvalOutput, Sample, Status
 
 
@@ -73,7 +73,7 @@ async def evaluate_dataset(args, config: EvalDatasetConfig) -> tuple[dict, dict[
         "top_p": config.top_p,
         "top_k": config.top_k,
         "max_tokens": config.max_response_len,
-    } | stop_params(args)
+    } | shared_params(args)
     if config.min_new_tokens:
         params["min_tokens"] = config.min_new_tokens
     groups = await asyncio.gather(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from vime.backends.vllm_utils.routed_experts import engine_options as routed_exp
 from vime.backends.vllm_utils.router import connect_router, register_workers
 from vime.rollout import fully_async_rollout
 from vime.rollout.data_source import RolloutDataSource
-from vime.rollout.vllm_rollout import close_contexts
+from vime.rollout.sample_metrics import sample_metrics
+from vime.rollout.vllm_generate import close_contexts
 from vime.utils.async_utils import run
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
@@ -47,6 +49,8 @@ class RolloutManager:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engine_extra_args = list(engine_extra_args or [])
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        if args.dump_details:  # what the dumped token ids mean
+            tokenizer.save_pretrained(Path(args.dump_details) / "tokenizer")
         source_class = (
             load_function(args.data_source_path, "--data-source-path")
             if args.data_source_path
@@ -131,21 +135,28 @@ class RolloutManager:
         the weight version the trainer will hold when it trains on this batch (default: the engines' version); the
         rollout function reads it as ``args.train_weight_version`` (the fully-async rollout bounds staleness by it)."""
         self.args.train_weight_version = self.args.weight_version if train_version is None else train_version
+        started = time.monotonic()
         if self.args.load_debug_rollout_data:
-            output = load_rollout_data(self.args.load_debug_rollout_data.format(rollout_id=rollout_id))
+            output = load_rollout_data(
+                self.args.load_debug_rollout_data.format(rollout_id=rollout_id),
+                self.args.load_debug_rollout_data_subsample,
+                self.args.rollout_seed + rollout_id,
+            )
+        elif self.args.load_forge_rollout_data:  # replayed while engines, sync and eval run as usual
+            output = load_rollout_data(self.args.load_forge_rollout_data.format(rollout_id=rollout_id))
         else:
             self._state_before = (rollout_id, self._data_state())
-            started = time.monotonic()
             output = self.rollout_fn(self.args, rollout_id, self.data_source, evaluation=False)
         if not isinstance(output, RolloutFnTrainOutput):
             raise TypeError(
                 f"{self.args.rollout_function_path} returned {type(output).__name__}; expected RolloutFnTrainOutput"
             )
+        samples = [s for group in output.samples for s in group]
+        output.metrics = {**(output.metrics or {}), **sample_metrics(self.args, samples)}
         if self.args.custom_rollout_log_function_path and not self.args.load_debug_rollout_data:
             log = load_function(
                 self.args.custom_rollout_log_function_path, "--custom-rollout-log-function-path"
             )
-            samples = [s for group in output.samples for s in group]
             if log(rollout_id, self.args, samples, output.metrics or {}, time.monotonic() - started):
                 output.metrics = {}
         for group in output.samples:
@@ -195,6 +206,13 @@ class RolloutManager:
         """``--use-fault-tolerance``: replace dead engines now (before a weight sync); a no-op without it."""
         if self.monitor is not None:
             self.monitor.ensure_healthy()
+
+    def engine_log_probs(self, tokens: list[int]) -> dict[str, list[float]]:
+        """Each engine's log-probs of ``tokens[1:]`` (``--check-weight-update-equal``), asked of it directly."""
+        urls = self.engine_urls()
+        with EngineGroup(urls) as engines:
+            scores = engines.run(lambda engine: engine.prompt_log_probs(self.args.hf_checkpoint, tokens))
+        return dict(zip(urls, scores, strict=True))
 
     def sleep(self) -> None:
         """Free the engines' GPU memory for training (``--offload-rollout``): the weights and the KV cache are
@@ -285,11 +303,21 @@ def save_rollout_data(path: str | Path, rollout_id: int, output: RolloutFnTrainO
     path.write_text(json.dumps(data))
 
 
-def load_rollout_data(path: str | Path) -> RolloutFnTrainOutput:
-    """Read a batch written by :func:`save_rollout_data` (``--load-debug-rollout-data``)."""
+def load_rollout_data(
+    path: str | Path, subsample: float | None = None, seed: int = 0
+) -> RolloutFnTrainOutput:
+    """Read a batch written by :func:`save_rollout_data` (``--load-debug-rollout-data``,
+    ``--load-forge-rollout-data``); with ``subsample`` keep that fraction of its groups (at least one, drawn with
+    ``seed``, in their saved order: ``--load-debug-rollout-data-subsample``)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"--load-debug-rollout-data: no saved rollout at {path}")
+        raise FileNotFoundError(
+            f"no saved rollout at {path} (--load-debug-rollout-data / --load-forge-rollout-data)"
+        )
     data = json.loads(path.read_text())
     groups = [[Sample.from_dict(sample) for sample in group] for group in data["samples"]]
+    if subsample is not None:
+        keep = max(1, round(len(groups) * subsample))
+        chosen = sorted(random.Random(seed).sample(range(len(groups)), keep))
+        groups = [groups[i] for i in chosen]
     return RolloutFnTrainOutput(samples=groups, metrics=data.get("metrics"))

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
+from pathlib import Path
+
+import yaml
+
+from vime.utils.eval_config import load_eval_configs
+from vime.utils.rm_types import check_rm_type
 
 logger = logging.getLogger(__name__)
 
 
 def finalize_args(args: argparse.Namespace) -> None:
     """Fill derived defaults and reject inconsistent settings (ValueError naming the flag and the fix)."""
+    _apply_custom_config(args)
     if args.offload:
         args.offload_train = args.offload_rollout = True
     args.offload_rollout = args.offload_rollout or args.colocate  # colocated engines sleep while training
@@ -43,6 +51,7 @@ def finalize_args(args: argparse.Namespace) -> None:
     _check_data(args)
     _check_backend(args)
     _check_fully_async(args)
+    _check_slime_flags(args)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -95,6 +104,11 @@ def _check_routing_replay(args: argparse.Namespace) -> None:
         raise ValueError(
             f"{flag} with --loss-type sft_loss: SFT has no old-log-prob pass and no rollout routing to replay; "
             "drop the flag"
+        )
+    if args.keep_old_actor:
+        raise ValueError(
+            f"{flag} with --keep-old-actor: the old actor computes the old log-probs there, and its routers are not "
+            "hooked for replay; drop one of the two"
         )
     if args.use_rollout_logprobs and not args.use_rollout_routing_replay:
         raise ValueError(
@@ -258,20 +272,14 @@ def _check_cluster(args: argparse.Namespace) -> None:
 
 
 def _check_data(args: argparse.Namespace) -> None:
-    needs_prompts = not args.load_debug_rollout_data
+    needs_prompts = not args.load_debug_rollout_data and args.rollout_global_dataset
     if needs_prompts and not args.prompt_data:
         raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
     if not args.hf_checkpoint:
         raise ValueError(
             "--hf-checkpoint is required (HF model directory: tokenizer, config, initial weights)"
         )
-    from vime.rollout.eval_config import (
-        load_eval_configs,  # validates --eval-prompt-data / --eval-config early
-    )
-
     if args.rm_type is not None and not args.custom_rm_path:
-        from vime.rollout.rm_hub import check_rm_type
-
         check_rm_type(args.rm_type)
     if not load_eval_configs(args) and args.eval_interval:
         raise ValueError(f"--eval-interval {args.eval_interval} needs --eval-prompt-data or --eval-config")
@@ -297,6 +305,134 @@ def _check_data(args: argparse.Namespace) -> None:
         raise ValueError("--num-rollout and --num-epoch both set; pass one (--num-epoch sets --num-rollout)")
 
 
+def _apply_custom_config(args: argparse.Namespace) -> None:
+    """``--custom-config-path`` (slime): a YAML mapping set on ``args`` before anything is derived or checked, so
+    plug-ins read their settings from ``args`` and overridden flags are validated like typed ones."""
+    if not args.custom_config_path:
+        return
+    try:
+        with open(args.custom_config_path, encoding="utf-8") as handle:
+            values = yaml.safe_load(handle) or {}
+    except OSError as exc:
+        raise ValueError(f"--custom-config-path {args.custom_config_path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--custom-config-path {args.custom_config_path}: not valid YAML: {exc}") from None
+    if not isinstance(values, dict) or not all(isinstance(key, str) for key in values):
+        raise ValueError(
+            f"--custom-config-path {args.custom_config_path}: expected a mapping of names to values, got "
+            f"{type(values).__name__}"
+        )
+    for key, value in values.items():
+        if hasattr(args, key):
+            logger.info("--custom-config-path sets %s = %r (was %r)", key, value, getattr(args, key))
+        setattr(args, key, value)
+
+
+def _check_slime_flags(args: argparse.Namespace) -> None:
+    """The slime flags of issue 15: derived values and the combinations that cannot work."""
+    if args.dump_details:  # slime's one switch for both debug dumps
+        args.save_debug_rollout_data = os.path.join(args.dump_details, "rollout_data", "{rollout_id}.json")
+        args.save_debug_train_data = os.path.join(args.dump_details, "train_data", "{rollout_id}_{rank}.pt")
+    if args.save_debug_train_data and args.save_debug_train_data == args.save_debug_rollout_data:
+        raise ValueError(
+            "--save-debug-train-data must differ from --save-debug-rollout-data (both write files)"
+        )
+    if args.update_weight_mode == "delta":
+        raise ValueError(
+            "--update-weight-mode delta: slime's delta sync needs SGLang's /pull_weights patch on the engines; "
+            "vime's engines load full weights every sync (--update-weight-mode full)"
+        )
+    if args.rollout_data_transport == "nixl":
+        raise ValueError(
+            "--rollout-data-transport nixl: vime passes rollouts to the trainers through Ray's object store by "
+            "reference (object-store); Ray's NIXL transport is not wired in"
+        )
+    disk_only = [f for f, on in (("--update-weight-disk-keep-files", args.update_weight_disk_keep_files),
+                                 ("--custom-update-weight-post-write-path", args.custom_update_weight_post_write_path)) if on]  # fmt: skip
+    if disk_only and args.update_weight_transport != "disk":
+        raise ValueError(f"{', '.join(disk_only)} apply to --update-weight-transport disk only")
+    if args.check_weight_update_equal and args.debug_train_only:
+        raise ValueError(
+            "--check-weight-update-equal compares engines with the trainer: --debug-train-only has none"
+        )
+    if args.balance_by_flops:
+        if not args.use_dynamic_batch_size:
+            raise ValueError(
+                "--balance-by-flops packs dynamic micro-batches: it needs --use-dynamic-batch-size"
+            )
+        args.balance_data = True
+    if args.log_probs_max_tokens_per_gpu is not None and not args.use_dynamic_batch_size:
+        raise ValueError(
+            "--log-probs-max-tokens-per-gpu is a dynamic-batching budget: add --use-dynamic-batch-size"
+        )
+    if args.use_dynamic_batch_size and args.log_probs_max_tokens_per_gpu is None:
+        args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
+    if args.log_probs_chunk_size == 0 or args.log_probs_chunk_size < -1:
+        raise ValueError(
+            f"--log-probs-chunk-size {args.log_probs_chunk_size}: a token count > 0, or -1 (no chunks)"
+        )
+    if args.data_pad_size_multiplier < 1:
+        raise ValueError(f"--data-pad-size-multiplier {args.data_pad_size_multiplier}: must be >= 1")
+    megatron_only = [f for f, on in (("--data-pad-size-multiplier", args.data_pad_size_multiplier != 1),
+                                     ("--custom-model-provider-path", args.custom_model_provider_path),
+                                     ("--padded-vocab-size", args.padded_vocab_size is not None),
+                                     ("--allgather-cp", args.allgather_cp)) if on]  # fmt: skip
+    if megatron_only and args.train_backend != "megatron":
+        raise ValueError(
+            f"{', '.join(megatron_only)}: Megatron backend flags; the fsdp backend has no context parallelism, packs "
+            "without padding and builds the Hugging Face model of --hf-checkpoint as it is: drop them or use "
+            "--train-backend megatron"
+        )
+    if args.keep_old_actor and args.debug_train_only:
+        raise ValueError(
+            "--keep-old-actor keeps the weights the engines generated with: --debug-train-only has none"
+        )
+    if args.keep_old_actor and args.use_rollout_logprobs:
+        raise ValueError(
+            "--keep-old-actor with --use-rollout-logprobs: the old log-probs come from the engines, so no old "
+            "actor is needed; drop one of them"
+        )
+    if args.use_stateless_adam and (args.optimizer != "adam" or not args.no_save_optim):
+        raise ValueError(
+            "--use-stateless-adam keeps no Adam moments to save: it needs --optimizer adam and --no-save-optim"
+        )
+    if not args.rollout_global_dataset:
+        if args.num_epoch is not None:
+            raise ValueError("--num-epoch counts passes over --prompt-data: with --disable-rollout-global-dataset "
+                             "there is none; set --num-rollout")  # fmt: skip
+        if args.rollout_function_path in ("vime.rollout.vllm_rollout.generate_rollout",
+                                          "vime.rollout.sft_rollout.generate_rollout"):  # fmt: skip
+            raise ValueError(
+                f"--disable-rollout-global-dataset: {args.rollout_function_path} generates from --prompt-data's "
+                "prompts; pass a --rollout-function-path that makes its own"
+            )
+    subsample = args.load_debug_rollout_data_subsample
+    if subsample is not None and (not args.load_debug_rollout_data or not 0 < subsample <= 1):
+        raise ValueError(
+            f"--load-debug-rollout-data-subsample {subsample}: a fraction in (0, 1] of the groups that "
+            "--load-debug-rollout-data loads"
+        )
+    if args.load_forge_rollout_data and (args.load_debug_rollout_data or args.debug_train_only):
+        raise ValueError(
+            "--load-forge-rollout-data replays rollouts with engines running; --load-debug-rollout-data and "
+            "--debug-train-only run without them: pass one"
+        )
+    if args.ci_save_grad_norm and args.ci_load_grad_norm:
+        raise ValueError(
+            "--ci-save-grad-norm and --ci-load-grad-norm both set: save in one run, compare in another"
+        )
+    if set(args.profile_target) != {"train_overall"}:
+        raise ValueError(
+            f"--profile-target {' '.join(args.profile_target)}: vime records memory over the whole training "
+            "(train_overall); train_actor and train_log_probs select what slime's --use-pytorch-profiler (a "
+            "Megatron-LM flag vime does not have) traces"
+        )
+    if args.memory_snapshot_num_steps is not None and not args.record_memory_history:
+        raise ValueError(
+            "--memory-snapshot-num-steps needs --record-memory-history (what the snapshot holds)"
+        )
+
+
 _MEGATRON_PARALLELISM = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
@@ -305,7 +441,30 @@ _MEGATRON_PARALLELISM = (
 )
 
 
+# Megatron-LM flags (in MODEL_ARGS scripts) that vime's Megatron backend does not implement: refused when set.
+_MEGATRON_UNSUPPORTED = {
+    "decoder_first_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
+    "decoder_last_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
+    "optimizer_cpu_offload": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
+    "overlap_cpu_optimizer_d2h_h2d": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
+    "use_precision_aware_optimizer": "the precision-aware optimizer (it needs TransformerEngine)",
+    "moe_permute_fusion": "fused token permutation (it needs TransformerEngine)",
+}
+
+
 def _check_backend(args: argparse.Namespace) -> None:
+    if used := [dest for dest in _MEGATRON_UNSUPPORTED if getattr(args, dest, None) not in (None, False)]:
+        raise ValueError(
+            "; ".join(
+                f"--{d.replace('_', '-')}: vime's Megatron backend has no {_MEGATRON_UNSUPPORTED[d]}"
+                for d in used
+            )
+            + "; drop the flag"
+        )
+    if args.ckpt_format != "torch_dist":
+        raise ValueError(
+            f"--ckpt-format {args.ckpt_format}: vime writes Megatron checkpoints as torch_dist only"
+        )
     if args.mtp_num_layers:
         raise ValueError(
             f"--mtp-num-layers {args.mtp_num_layers}: vime does not train multi-token-prediction layers (a "
@@ -378,6 +537,7 @@ def check_run_paths(args: argparse.Namespace) -> None:
                 f"--hf-checkpoint {checkpoint}: no config.json there; it must be a Hugging Face model directory "
                 "(config, tokenizer and weights, as save_pretrained writes them)"
             )
+        _check_model_name(args, path)
     for flag in ("save", "critic_save"):
         target = getattr(args, flag, None)
         if not target:
@@ -393,3 +553,21 @@ def check_run_paths(args: argparse.Namespace) -> None:
                 f"--{flag.replace('_', '-')} {target}: cannot write there ({exc.strerror}); checkpoints would fail "
                 "at the first save. Pick a writable directory"
             ) from None
+
+
+def _family(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "").removesuffix("config")
+
+
+def _check_model_name(args: argparse.Namespace, checkpoint: str) -> None:
+    """``--model-name`` (slime picks its Megatron-to-HF converter by it) must name the family of the checkpoint's
+    ``config.json``, by which vime maps weights."""
+    if not getattr(args, "model_name", None):
+        return
+    config = json.loads(Path(checkpoint, "config.json").read_text(encoding="utf-8"))
+    model_type = config.get("model_type", "")
+    if _family(args.model_name) != _family(model_type):
+        raise ValueError(
+            f"--model-name {args.model_name} names another model family than {checkpoint}/config.json "
+            f"(model_type {model_type!r}), by which vime converts weights: drop --model-name or fix --hf-checkpoint"
+        )

@@ -2,7 +2,7 @@
 
 Flags follow slime's names. ``--vllm-<flag>`` mirrors every flag of the installed vLLM server and
 ``--router-<flag>`` every flag of the installed vllm-router, generated from their own parsers
-(``vime/backends/vllm_utils/cli_parsers.py``); list them with ``--help-vllm`` / ``--help-router``.
+(``vime/utils/upstream_parsers.py``); list them with ``--help-vllm`` / ``--help-router``.
 """
 
 from __future__ import annotations
@@ -13,15 +13,16 @@ import json
 import sys
 from collections.abc import Sequence
 
-from vime.backends.vllm_utils.cli_parsers import (
+from vime.utils.arg_validation import finalize_args
+from vime.utils.megatron_args import add_megatron_arguments
+from vime.utils.passthrough_args import add_passthrough_flags, passthrough_help
+from vime.utils.refused_flags import add_refused_flags
+from vime.utils.upstream_parsers import (
     VIME_OWNED_ROUTER_FLAGS,
     VIME_OWNED_VLLM_FLAGS,
     build_router_parser,
     build_vllm_serve_parser,
 )
-from vime.utils.arg_validation import finalize_args
-from vime.utils.megatron_args import add_megatron_arguments
-from vime.utils.passthrough_args import add_passthrough_flags, passthrough_help
 
 ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 KL_TYPES = ["k1", "k2", "k3", "low_var_kl"]
@@ -111,6 +112,15 @@ DATA = [
         dict(type=_json_dict, default={}, help="JSON kwargs for apply_chat_template."),
     ),
     (
+        "--disable-rollout-global-dataset",
+        dict(
+            action="store_false",
+            dest="rollout_global_dataset",
+            help="No prompt dataset (slime): the data source hands out empty samples (after its buffer) to a "
+            "--rollout-function-path that makes its own prompts; --prompt-data is then not read.",
+        ),
+    ),
+    (
         "--rollout-max-context-len",
         dict(
             type=int,
@@ -180,6 +190,22 @@ ROLLOUT = [
     ("--rollout-stop", dict(nargs="+", default=None, help="Stop strings.")),
     ("--rollout-stop-token-ids", dict(type=int, nargs="+", default=None, help="Stop token ids.")),
     (
+        "--rollout-skip-special-tokens",
+        dict(
+            action="store_true",
+            help="Leave special tokens out of the response text (default: kept, as in slime; token ids and "
+            "log-probs are the same either way).",
+        ),
+    ),
+    (
+        "--rollout-data-transport",
+        dict(
+            default="object-store",
+            choices=["object-store", "nixl"],
+            help="How rollouts reach the trainers: Ray's object store, by reference (nixl is refused).",
+        ),
+    ),
+    (
         "--rollout-concurrency",
         dict(
             type=int,
@@ -222,6 +248,14 @@ REWARD = [
         "--custom-rm-path",
         dict(default=None, help="async rm(args, sample) -> float | dict (list with --group-rm)."),
     ),
+    (
+        "--custom-convert-samples-to-train-data-path",
+        dict(
+            default=None,
+            help="fn(args, samples) -> dict (slime): replaces reward shaping; 'rewards' is required, 'loss_masks', "
+            "'rollout_log_probs', 'tokens' and 'response_lengths' replace the samples' own.",
+        ),
+    ),
     ("--group-rm", dict(action="store_true", help="Call the reward function once per group.")),
     ("--reward-key", dict(default=None, help="Key of a dict reward used for training.")),
     (
@@ -251,6 +285,65 @@ SCHEDULE = [
         dict(type=int, default=None, help="Token budget per micro-batch with dynamic batching."),
     ),
     ("--gradient-checkpointing", dict(action="store_true", help="Activation checkpointing (fsdp backend).")),
+    (
+        "--balance-data",
+        dict(
+            action="store_true",
+            help="Balance the estimated training FLOPs (not only the tokens) of each step's data-parallel "
+            "shares (slime).",
+        ),
+    ),
+    (
+        "--balance-by-flops",
+        dict(
+            action="store_true",
+            help="Pack micro-batches by estimated FLOPs (linear + quadratic in length) instead of tokens; a "
+            "micro-batch may then exceed --max-tokens-per-gpu. Needs --use-dynamic-batch-size; implies "
+            "--balance-data.",
+        ),
+    ),
+    (
+        "--log-probs-max-tokens-per-gpu",
+        dict(
+            type=int,
+            default=None,
+            help="Token budget of forward-only micro-batches (old/ref/teacher log-probs, critic values) with "
+            "dynamic batching (default: --max-tokens-per-gpu).",
+        ),
+    ),
+    (
+        "--log-probs-chunk-size",
+        dict(
+            type=int,
+            default=-1,
+            help="Compute log-softmax and entropy over this many tokens at a time (-1: all at once); saves the "
+            "memory of full [tokens, vocab] fp32 temporaries.",
+        ),
+    ),
+    (
+        "--recompute-loss-function",
+        dict(
+            action="store_true",
+            help="Recompute the loss from the logits in backward instead of keeping its [tokens, vocab] "
+            "intermediates (less memory, one more softmax).",
+        ),
+    ),
+    (
+        "--data-pad-size-multiplier",
+        dict(
+            type=int,
+            default=1,
+            help="Megatron: pad each packed micro-batch to a multiple of this x TP (x CP) tokens, for kernels "
+            "that want aligned lengths (slime defaults to 128; vime's kernels need no padding).",
+        ),
+    ),
+    (
+        "--allgather-cp",
+        dict(
+            action="store_true",
+            help="Context parallelism that all-gathers keys and values (slime): what vime's CP always does.",
+        ),
+    ),
     (
         "--update-weights-interval",
         dict(type=int, default=1, help="Push weights to engines every N rollouts (train_async)."),
@@ -296,6 +389,45 @@ ALGORITHM = [
         dict(
             action="store_true",
             help="After --load, restart Adam's step count (bias correction); moments kept.",
+        ),
+    ),
+    (
+        "--use-stateless-adam",
+        dict(
+            action="store_true",
+            help="Adam whose moments restart at zero every optimizer step (slime); needs --optimizer adam and "
+            "--no-save-optim.",
+        ),
+    ),
+    (
+        "--keep-old-actor",
+        dict(
+            action="store_true",
+            help="Keep a copy of the weights the engines generated with and compute the old log-probs with it "
+            "(train_async.py: the trainer is one step ahead of the rollout it trains on).",
+        ),
+    ),
+    (
+        "--use-rollout-entropy",
+        dict(
+            action="store_true",
+            help="Also compute the old policy's per-token entropy: logged (train/rollout_entropy) and given to "
+            "--rollout-data-postprocess-path as 'entropy'.",
+        ),
+    ),
+    (
+        "--rollout-data-postprocess-path",
+        dict(
+            default=None,
+            help="fn(args, rollout_id, rollout_data) after log-probs and advantages (slime): may change "
+            "rollout_data's 'loss_masks' and 'advantages' in place before training.",
+        ),
+    ),
+    (
+        "--custom-config-path",
+        dict(
+            default=None,
+            help="YAML mapping set on args before validation: settings for your plug-ins (slime).",
         ),
     ),
     ("--kl-loss-coef", dict(type=float, default=0.0, help="Weight of the KL loss.")),
@@ -560,6 +692,42 @@ SYNC = [
         ),
     ),
     (
+        "--update-weight-mode",
+        dict(
+            default="full",
+            choices=["full", "delta"],
+            help="full: every sync sends every weight (delta, slime's SGLang-side diff sync, is refused).",
+        ),
+    ),
+    (
+        "--update-weight-disk-dir",
+        dict(dest="update_weight_dir", default=None, help="slime's name for --update-weight-dir."),
+    ),
+    (
+        "--update-weight-disk-keep-files",
+        dict(
+            action="store_true",
+            help="disk transport: keep every sync's weights (<dir>/v<version>) instead of deleting them once "
+            "the engines have loaded them.",
+        ),
+    ),
+    (
+        "--custom-update-weight-post-write-path",
+        dict(
+            default=None,
+            help="disk transport: hook(args, version_dir, engine_urls) on every training rank after the files "
+            "are written, before the engines read them (slime).",
+        ),
+    ),
+    (
+        "--check-weight-update-equal",
+        dict(
+            action="store_true",
+            help="After every weight sync compare each engine's log-probs of a fixed sequence with the trainer's; "
+            "a mismatch stops the run (slime checks the engines' weights).",
+        ),
+    ),
+    (
         "--update-weight-buffer-size",
         dict(type=int, default=512 * 1024**2, help="Bytes per weight-sync bucket."),
     ),
@@ -620,6 +788,99 @@ DEBUG_AND_LOGGING = [
     (
         "--load-debug-rollout-data",
         dict(default=None, help="Load rollouts from this path instead of generating."),
+    ),
+    (
+        "--load-debug-rollout-data-subsample",
+        dict(
+            type=float,
+            default=None,
+            help="Keep this fraction (0, 1] of the groups of each loaded debug rollout (seeded by --rollout-seed).",
+        ),
+    ),
+    (
+        "--load-forge-rollout-data",
+        dict(
+            default=None,
+            help="Replay rollouts from this path ({rollout_id} optional) with engines, weight sync and eval live "
+            "(slime; --load-debug-rollout-data turns the engines off).",
+        ),
+    ),
+    (
+        "--save-debug-train-data",
+        dict(
+            default=None,
+            help="Save each rank's training inputs (tokens, masks, rewards, log-probs, advantages) to this path "
+            "({rollout_id}, {rank} filled in).",
+        ),
+    ),
+    (
+        "--dump-details",
+        dict(
+            default=None,
+            help="Directory for everything of a run's data: DIR/rollout_data/{rollout_id}.json, "
+            "DIR/train_data/{rollout_id}_{rank}.pt and DIR/tokenizer.",
+        ),
+    ),
+    ("--log-multi-turn", dict(action="store_true", help="Log multi-turn response and round statistics.")),
+    (
+        "--log-reward-category",
+        dict(default=None, help="Log the share of each value of this key of dict rewards (error_cat/*)."),
+    ),
+    (
+        "--log-correct-samples",
+        dict(
+            action="store_true",
+            help="Log length quartiles and entropy of the samples with reward 1 (correct_*).",
+        ),
+    ),
+    (
+        "--record-memory-history",
+        dict(
+            action="store_true",
+            help="Record the trainer's CUDA memory history (for PyTorch's memory viz), dumped after "
+            "--memory-snapshot-num-steps rollouts and on out-of-memory.",
+        ),
+    ),
+    ("--memory-snapshot-dir", dict(default=".", help="Where memory snapshots are written.")),
+    (
+        "--memory-snapshot-num-steps",
+        dict(type=int, default=None, help="Dump the memory snapshot after this many rollouts."),
+    ),
+    (
+        "--memory-recorder",
+        dict(default="torch", choices=["torch", "memray"], help="torch (CUDA) or memray (host memory)."),
+    ),
+    (
+        "--profile-target",
+        dict(
+            nargs="+",
+            default=["train_overall"],
+            choices=["train_overall", "train_actor", "train_log_probs"],
+            help="What --record-memory-history covers: train_overall (the others need a profiler vime lacks).",
+        ),
+    ),
+    (
+        "--ci-test",
+        dict(action="store_true", help="Fail the run when a CI check below does not hold (slime)."),
+    ),
+    (
+        "--ci-disable-kl-checker",
+        dict(action="store_true", help="--ci-test without the zero-KL checks of the first step."),
+    ),
+    (
+        "--ci-train-rollout-logprob-abs-diff-threshold",
+        dict(type=float, default=0.1, help="--ci-test: upper bound of train/train_rollout_logprob_abs_diff."),
+    ),
+    (
+        "--ci-save-grad-norm",
+        dict(default=None, help="Save each step's grad norm to this path ({role}, {rollout_id}, {step_id})."),
+    ),
+    (
+        "--ci-load-grad-norm",
+        dict(
+            default=None,
+            help="Fail when a step's grad norm differs from the one saved there by over 1%% and 0.01.",
+        ),
     ),
     (
         "--log-dir",
@@ -709,6 +970,7 @@ def build_parser() -> VimeArgumentParser:
     for title, flags in VIME_GROUPS:
         _add_group(parser, title, flags)
     parser.set_defaults(megatron_args_source=add_megatron_arguments(parser))
+    add_refused_flags(parser)
     vllm_parser, router_parser = build_vllm_serve_parser(), build_router_parser()
     parser.vllm_actions = (
         add_passthrough_flags(parser, vllm_parser, "vllm", VIME_OWNED_VLLM_FLAGS) if vllm_parser else []

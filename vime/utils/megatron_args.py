@@ -236,6 +236,31 @@ _VIME_MEGATRON = [
         ),
     ),
     (
+        "--custom-model-provider-path",
+        dict(
+            default=None,
+            help="fn(pre_process, post_process, vp_stage=None) -> GPTModel replacing vime's model builder (slime); "
+            "start from vime.backends.megatron_utils.model.build_gpt_model, whose packed attention it must keep.",
+        ),
+    ),
+    (
+        "--model-name",
+        dict(
+            default=None,
+            help="The model family (slime picks its weight converter by it); vime maps weights by config.json's "
+            "model_type and checks that this names the same family.",
+        ),
+    ),
+    (
+        "--padded-vocab-size",
+        dict(
+            type=int,
+            default=None,
+            help="Megatron's vocabulary size (default: the HF vocabulary padded to --make-vocab-size-divisible-by "
+            "x TP); a multiple of TP, at least the HF vocabulary.",
+        ),
+    ),
+    (
         "--megatron-config-path",
         dict(
             default=None,
@@ -286,4 +311,5 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> str:
 def _add_vime_megatron_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("megatron backend: hooks and per-role config")
     for flag, kwargs in _VIME_MEGATRON:
-        group.add_argument(flag, **kwargs)
+        if flag not in parser._option_string_actions:  # Megatron-LM's own parser may define it already
+            group.add_argument(flag, **kwargs)

@@ -94,3 +94,21 @@ class GPUOffloader:
         torch.cuda.synchronize()
         self._freed = []
         return {"time/onload_s": time.perf_counter() - started}
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (FSDP2's DTensor), else the parameter."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def copy_weights(target: torch.nn.Module, source) -> None:
+    """Copy ``source`` (``(name, tensor)`` pairs named as ``target``'s parameters: sharded alike, full, or on the
+    host) into ``target``'s parameters, shard by shard (a reference or old-actor copy of the policy)."""
+    weights = dict(source)
+    for name, param in target.named_parameters():
+        value = weights[name]
+        if isinstance(param, DTensor):
+            param.to_local().copy_(local_shard(value))
+        else:
+            param.copy_(value.full_tensor() if isinstance(value, DTensor) else value)

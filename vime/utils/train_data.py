@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,6 +94,48 @@ def shape_rewards(args: argparse.Namespace, groups: list[list[Sample]]) -> list[
     return shaped
 
 
+# Keys of slime's train-data dict that describe the samples but that vime derives itself from them.
+_DERIVED_TRAIN_DATA_KEYS = ("raw_reward", "truncated", "sample_indices", "rollout_ids", "rollout_mask_sums")
+_SAMPLE_TRAIN_DATA_KEYS = {
+    "tokens": "tokens",
+    "response_lengths": "response_length",
+    "loss_masks": "loss_mask",
+    "rollout_log_probs": "rollout_log_probs",
+}
+
+
+def train_samples_and_rewards(
+    args: argparse.Namespace, groups: list[list[Sample]]
+) -> tuple[list[Sample], list[float]]:
+    """The rollout's samples, flattened group by group, and their training rewards: :func:`shape_rewards`, or
+    ``--custom-convert-samples-to-train-data-path`` ``fn(args, samples) -> dict`` (slime). Its ``rewards`` (one per
+    sample, required) are the training rewards as they are; ``tokens``, ``response_lengths``, ``loss_masks`` and
+    ``rollout_log_probs`` replace the samples' own; the keys slime derives from the samples (``raw_reward``,
+    ``truncated``, ``sample_indices``, ``rollout_ids``, ``rollout_mask_sums``) are derived by vime; any other key is
+    an error (vime would not use it)."""
+    samples = [s for group in groups for s in group]
+    path = getattr(args, "custom_convert_samples_to_train_data_path", None)
+    if not path:
+        return samples, shape_rewards(args, groups)
+    flag = "--custom-convert-samples-to-train-data-path"
+    data = load_function(path, flag)(args, samples)
+    if not isinstance(data, dict) or "rewards" not in data:
+        raise ValueError(f"{flag} {path} must return a dict with 'rewards' (one per sample)")
+    unknown = set(data) - {"rewards", *_SAMPLE_TRAIN_DATA_KEYS, *_DERIVED_TRAIN_DATA_KEYS}
+    if unknown:
+        raise ValueError(
+            f"{flag} {path} returned keys vime does not train on: {sorted(unknown)}; it reads rewards, "
+            f"{', '.join(_SAMPLE_TRAIN_DATA_KEYS)} (derives {', '.join(_DERIVED_TRAIN_DATA_KEYS)} itself)"
+        )
+    for key in ("rewards", *_SAMPLE_TRAIN_DATA_KEYS):
+        if key in data and len(data[key]) != len(samples):
+            raise ValueError(f"{flag} {path}: {len(data[key])} {key} for {len(samples)} samples")
+    for key, attr in _SAMPLE_TRAIN_DATA_KEYS.items():
+        for sample, value in zip(samples, data.get(key, ()), strict=False):
+            setattr(sample, attr, value.tolist() if isinstance(value, torch.Tensor) else value)
+    return samples, [float(r) for r in data["rewards"]]
+
+
 # ---------------------------------------------------------------------------------------------- partitioning
 def balanced_partitions(lengths: list[int], num_partitions: int, equal_size: bool) -> list[list[int]]:
     """Split indices ``0..len(lengths)-1`` into ``num_partitions`` parts with near-equal token sums.
@@ -115,12 +158,12 @@ def balanced_partitions(lengths: list[int], num_partitions: int, equal_size: boo
     return [sorted(part) for part in parts]
 
 
-def split_rollout(lengths: list[int], dp_size: int, global_batch_size: int) -> list[list[int]]:
+def split_rollout(lengths: list[float], dp_size: int, global_batch_size: int) -> list[list[int]]:
     """Indices of the rollout's samples for each data-parallel rank.
 
-    The rollout (``lengths[i]`` = total tokens of sample ``i``, in rollout order) is cut into optimizer steps of
-    ``global_batch_size`` consecutive samples; each step is split into ``dp_size`` equal-sized parts balanced by
-    tokens, and rank ``r`` gets its part of every step, step after step. So each rank holds the same number of
+    The rollout (``lengths[i]`` = total tokens of sample ``i``, or its estimated FLOPs with ``--balance-data``,
+    in rollout order) is cut into optimizer steps of ``global_batch_size`` consecutive samples; each step is split
+    into ``dp_size`` equal-sized parts balanced by those sums, and rank ``r`` gets its part of every step. So each rank holds the same number of
     samples, and a trainer that cuts its partition into ``len // num_steps`` consecutive chunks trains each step on
     exactly the same global batch whatever ``dp_size`` is.
     """
@@ -351,3 +394,47 @@ def normalize_advantages(
     whitened = ppo_utils.masked_whiten(torch.cat(all_adv), torch.cat(all_mask))
     mine = whitened[offset : offset + local_adv.numel()] * local_mask  # untrained tokens keep advantage 0
     return list(mine.split(lengths))
+
+
+def postprocess_rollout_data(
+    postprocess: Any,
+    args: argparse.Namespace,
+    rollout_id: int,
+    samples: list[Sample],
+    rewards: list[float],
+    masks: list[torch.Tensor],
+    data: dict[str, list[torch.Tensor] | None],
+    values: list[torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """``--rollout-data-postprocess-path`` ``fn(args, rollout_id, rollout_data)`` (slime), after the log-probs and
+    advantages: ``rollout_data`` holds one rank's per-sample lists under slime's keys (``tokens``,
+    ``response_lengths``, ``total_lengths``, ``rewards``, ``loss_masks``, ``log_probs``, ``ref_log_probs``,
+    ``rollout_log_probs``, ``advantages``, ``values``, ``entropy`` with ``--use-rollout-entropy``) and ``samples``.
+    The ``loss_masks`` and ``advantages`` it leaves there are trained on (``data["advantages"]`` is updated);
+    returns the loss masks."""
+    rollout_data = {
+        "samples": samples,
+        "tokens": [torch.tensor(s.tokens) for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "total_lengths": [len(s.tokens) for s in samples],
+        "rewards": list(rewards),
+        "loss_masks": list(masks),
+        "log_probs": data["old_log_probs"],
+        "ref_log_probs": data["ref_log_probs"],
+        "rollout_log_probs": data["rollout_log_probs"],
+        "advantages": list(data["advantages"]),
+        "values": values,
+        "entropy": data.get("rollout_entropy"),
+    }
+    postprocess(args, rollout_id, rollout_data)
+    for key in ("loss_masks", "advantages"):
+        got = rollout_data[key]
+        if len(got) != len(samples) or any(
+            t.shape != (s.response_length,) for t, s in zip(got, samples, strict=True)
+        ):
+            raise ValueError(
+                f"--rollout-data-postprocess-path left rollout_data[{key!r}] in another shape: one tensor of "
+                "response_length per sample"
+            )
+    data["advantages"] = list(rollout_data["advantages"])
+    return [m.float() for m in rollout_data["loss_masks"]]

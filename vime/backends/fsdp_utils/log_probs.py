@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vime.utils.ppo_utils import entropy_from_logits, log_probs_from_logits
+from vime.utils.ppo_utils import entropy_from_logits, in_row_chunks, log_probs_from_logits
 from vime.utils.train_data import PackedBatch
 from vime.utils.varlen_attention import VarlenBlocks
 
@@ -21,6 +21,41 @@ def _inputs(batch: PackedBatch, device: torch.device) -> dict:
     }
 
 
+def response_logits(
+    model: nn.Module, batch: PackedBatch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, labels)`` at the positions that predict the response tokens, ``[N, V]`` and ``[N]``.
+
+    Only those positions go through the LM head (``logits_to_keep``), so the ``[tokens, vocab]`` logits of prompts
+    are never built.
+    """
+    index = batch.logit_indices().to(device)
+    logits = model(**_inputs(batch, device), logits_to_keep=index).logits[0]
+    return logits, batch.input_ids.to(device)[index + 1]
+
+
+def token_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_requires_grad: bool = False,
+    chunk_size: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``labels`` (and the entropy of each predicting distribution) for ``logits / temperature``,
+    1-D fp32, ``chunk_size`` rows at a time (``--log-probs-chunk-size``; -1: all at once). Grad flows to the
+    log-probs if the caller enables it; to the entropy only with ``entropy_requires_grad`` (its softmax would
+    otherwise be kept for backward)."""
+    log_probs = in_row_chunks(
+        lambda z, y: log_probs_from_logits(z, y, temperature), chunk_size, logits, labels
+    )
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_requires_grad):
+            entropy = in_row_chunks(lambda z: entropy_from_logits(z, temperature), chunk_size, logits)
+    return log_probs, entropy
+
+
 def forward_log_probs(
     model: nn.Module,
     batch: PackedBatch,
@@ -28,23 +63,12 @@ def forward_log_probs(
     device: torch.device,
     with_entropy: bool = False,
     entropy_requires_grad: bool = False,
+    chunk_size: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the response tokens (and the entropy of each predicting distribution) under ``model``, for
-    logits divided by ``temperature``; 1-D fp32 tensors over the packed responses (``batch.response_lengths``).
-
-    Only the positions that predict response tokens go through the LM head (``logits_to_keep``), so the
-    ``[tokens, vocab]`` logits of prompts are never built. Grad flows to the log-probs if the caller enables it;
-    to the entropy only with ``entropy_requires_grad`` (its softmax would otherwise be kept for backward).
-    """
-    index = batch.logit_indices().to(device)
-    logits = model(**_inputs(batch, device), logits_to_keep=index).logits[0]
-    labels = batch.input_ids.to(device)[index + 1]
-    log_probs = log_probs_from_logits(logits, labels, temperature)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_requires_grad):
-            entropy = entropy_from_logits(logits, temperature)
-    return log_probs, entropy
+    """:func:`token_log_probs` of :func:`response_logits`: log-probs of the response tokens (and entropies) under
+    ``model``, 1-D fp32 over the packed responses (``batch.response_lengths``)."""
+    logits, labels = response_logits(model, batch, device)
+    return token_log_probs(logits, labels, temperature, with_entropy, entropy_requires_grad, chunk_size)
 
 
 def forward_values(model: nn.Module, batch: PackedBatch, device: torch.device) -> torch.Tensor:

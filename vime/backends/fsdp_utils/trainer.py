@@ -19,12 +19,18 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from vime.backends.fsdp_utils import checkpoint, weights
-from vime.backends.fsdp_utils.log_probs import forward_log_probs, forward_values
+from vime.backends.fsdp_utils.log_probs import (
+    forward_log_probs,
+    forward_values,
+    response_logits,
+    token_log_probs,
+)
 from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
 from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from vime.backends.fsdp_utils.routing_replay import attach_routing_replay
@@ -56,6 +62,7 @@ class FSDPTrainer(TrainerBase):
         self.args, self.role = args, role
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.device = device()
+        self._start_memory_recording()
         self.mesh = init_device_mesh(self.device.type, (self.dp_size,))
         # Same seed on every rank: a critic's new value head must start identical everywhere.
         torch.manual_seed(args.seed)
@@ -135,7 +142,9 @@ class FSDPTrainer(TrainerBase):
         return self.model
 
     def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        models = [m for m in (self.model, self.ref_model, self.teacher_model) if m is not None]
+        models = [
+            m for m in (self.model, self.ref_model, self.teacher_model, self.old_actor_model) if m is not None
+        ]
         params = [p for m in models for p in m.parameters()]
         return params + optimizer_tensors(self.optimizer), [p.grad for p in params]
 
@@ -145,25 +154,40 @@ class FSDPTrainer(TrainerBase):
 
     # ------------------------------------------------------------------------------------------- forward only
     def compute_log_probs(self, samples: list[Sample], model: str = "actor") -> PerSample:
-        """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"``),
-        at ``--rollout-temperature``, as CPU fp32 tensors; no grad."""
-        nets = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}
+        """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"`` /
+        ``"old_actor"``), at ``--rollout-temperature``, as CPU fp32 tensors; no grad."""
+        return self.compute_log_probs_and_entropy(samples, model, with_entropy=False)[0]
+
+    def compute_log_probs_and_entropy(
+        self, samples: list[Sample], model: str = "actor", with_entropy: bool = True
+    ) -> tuple[PerSample, PerSample | None]:
+        """:meth:`compute_log_probs` and the entropy of each predicting distribution (``--use-rollout-entropy``)."""
+        nets = {
+            "actor": self.model,
+            "ref": self.ref_model,
+            "teacher": self.teacher_model,
+            "old_actor": self.old_actor_model,
+        }
         if self.role != "actor" or nets.get(model) is None:
             raise ValueError(f"the {self.role} trainer has no {model!r} model")
-        return [t.cpu() for t in self._forward(nets[model], samples, model)]
+        return self._forward(nets[model], samples, model, with_entropy)
 
     def compute_values(self, samples: list[Sample]) -> PerSample:
         """The critic's values at the response tokens of this rank's samples, as CPU fp32 tensors; no grad."""
         if self.role != "critic":
             raise ValueError("compute_values needs the critic trainer (role='critic')")
-        return [t.cpu() for t in self._forward(self.model, samples, "critic")]
+        return self._forward(self.model, samples, "critic")[0]
 
-    def _forward(self, net: nn.Module, samples: list[Sample], model: str) -> PerSample:
-        """Per-sample outputs of ``net`` (``model``: "actor", "ref", "teacher" or "critic"), micro-batch by
-        micro-batch, its MoE routers replaying or recording as the routing plan says."""
+    def _forward(
+        self, net: nn.Module, samples: list[Sample], model: str, with_entropy: bool = False
+    ) -> tuple[PerSample, PerSample | None]:
+        """Per-sample outputs of ``net`` (``model``: "actor", "ref", "teacher", "old_actor" or "critic") and, with
+        ``with_entropy``, the entropies, micro-batch by micro-batch, its MoE routers replaying or recording as the
+        routing plan says."""
         out: PerSample = [torch.empty(0)] * len(samples)
+        entropies: PerSample = [torch.empty(0)] * len(samples)
         mode, routes = self._pass_routing(model, samples)
-        micro_batches = self._micro_batches(samples)
+        micro_batches = self._micro_batches(samples, forward_only=True)
         with torch.no_grad(), self._routing_pass(mode) as replay:
             packs = []
             for mb in micro_batches:
@@ -171,16 +195,23 @@ class FSDPTrainer(TrainerBase):
                 packs.append(packed)
                 if replay is not None:
                     replay.push(packed.routing.to(self.device) if packed.routing else None)
+                entropy = None
                 if self.role == "critic":
                     flat = forward_values(net, packed, self.device)
                 else:
-                    flat, _ = forward_log_probs(net, packed, self.args.rollout_temperature, self.device)
+                    flat, entropy = forward_log_probs(
+                        net, packed, self.args.rollout_temperature, self.device, with_entropy,
+                        chunk_size=self.args.log_probs_chunk_size,
+                    )  # fmt: skip
                 for i, piece in zip(mb, flat.split(packed.response_lengths), strict=True):
-                    out[i] = piece
+                    out[i] = piece.cpu()
+                if entropy is not None:
+                    for i, piece in zip(mb, entropy.split(packed.response_lengths), strict=True):
+                        entropies[i] = piece.cpu()
             if mode is ReplayMode.RECORD:
                 for mb, packed, experts in zip(micro_batches, packs, replay.recorded(), strict=True):
                     self.routing.store([samples[i] for i in mb], split_routing(experts, packed.total_lengths))
-        return out
+        return out, (entropies if with_entropy and self.role != "critic" else None)
 
     def _reduce_max(self, values: list[int]) -> list[int]:
         return all_reduce_max(values)
@@ -199,11 +230,28 @@ class FSDPTrainer(TrainerBase):
         else:
             entropy_grad = self._entropy_needs_grad()
             log_probs, entropy = forward_log_probs(
-                self.model, packed, self.args.rollout_temperature, self.device, True, entropy_grad
-            )
+                self.model, packed, self.args.rollout_temperature, self.device, True, entropy_grad,
+                self.args.log_probs_chunk_size,
+            )  # fmt: skip
             loss = log_probs.sum() + (entropy.sum() if entropy_grad else 0.0)
         (loss * 0.0).backward()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _loss_from_logits(self, batch: dict, logits: torch.Tensor, labels: torch.Tensor) -> tuple:
+        """The policy loss of one micro-batch from its response logits; with ``--recompute-loss-function`` its
+        ``[tokens, vocab]`` intermediates are recomputed in backward instead of kept (only the logits are)."""
+        args = self.args
+        entropy_grad = self._entropy_needs_grad()
+
+        def loss_of(logits: torch.Tensor) -> tuple:
+            log_probs, entropy = token_log_probs(
+                logits, labels, args.rollout_temperature, True, entropy_grad, args.log_probs_chunk_size
+            )
+            return self.loss_fn(args, batch, log_probs, entropy)
+
+        if args.recompute_loss_function:
+            return torch.utils.checkpoint.checkpoint(loss_of, logits, use_reentrant=False)
+        return loss_of(logits)
 
     def _train_step(
         self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]
@@ -220,11 +268,8 @@ class FSDPTrainer(TrainerBase):
                 if self.role == "critic":
                     loss, metrics = value_loss(args, batch, forward_values(self.model, packed, self.device))
                 else:
-                    entropy_grad = self._entropy_needs_grad()
-                    log_probs, entropy = forward_log_probs(
-                        self.model, packed, args.rollout_temperature, self.device, True, entropy_grad
-                    )
-                    loss, metrics = self.loss_fn(args, batch, log_probs, entropy)
+                    logits, labels = response_logits(self.model, packed, self.device)
+                    loss, metrics = self._loss_from_logits(batch, logits, labels)
                 # Each rank's loss is already its share of the global loss; FSDP averages gradients over ranks,
                 # so scale by the number of ranks to make that average the sum.
                 (loss * self.dp_size).backward()

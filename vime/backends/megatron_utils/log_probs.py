@@ -20,9 +20,32 @@ def vocab_parallel_log_probs(
     true_vocab_size: int,
     with_entropy: bool = False,
     entropy_requires_grad: bool = False,
+    chunk_size: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / T)[labels]`` and (optionally) the entropy, fp32, from this rank's logits slice
-    ``[N, V / tp]``. Columns at or past ``true_vocab_size`` (Megatron's vocabulary padding) are excluded."""
+    ``[N, V / tp]``, ``chunk_size`` rows at a time (``--log-probs-chunk-size``; every TP rank holds the same rows,
+    so the chunks' collectives line up). Columns at or past ``true_vocab_size`` (Megatron's vocabulary padding)
+    are excluded."""
+    if 0 < chunk_size < logits.shape[0]:
+        parts = [
+            _vocab_parallel_log_probs(z, y, temperature, true_vocab_size, with_entropy, entropy_requires_grad)
+            for z, y in zip(logits.split(chunk_size), labels.split(chunk_size), strict=True)
+        ]
+        entropy = torch.cat([e for _, e in parts]) if with_entropy else None
+        return torch.cat([lp for lp, _ in parts]), entropy
+    return _vocab_parallel_log_probs(
+        logits, labels, temperature, true_vocab_size, with_entropy, entropy_requires_grad
+    )
+
+
+def _vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    true_vocab_size: int,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} (--rollout-temperature) must be > 0")
     group = parallel_state.get_tensor_model_parallel_group()

@@ -249,10 +249,18 @@ def build_gpt_model(
         layer.submodules.pre_mlp_layernorm = RMSNorm
     position = "rope" if args.use_rotary_position_embeddings else args.position_embedding_type
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
+    if args.padded_vocab_size is not None:  # Megatron's own flag: the size as it is, not rounded
+        if args.padded_vocab_size < vocab_size or args.padded_vocab_size % tp:
+            raise ValueError(
+                f"--padded-vocab-size {args.padded_vocab_size}: at least the HF vocabulary ({vocab_size}) and a "
+                f"multiple of the tensor-parallel size ({tp})"
+            )
+        padded = args.padded_vocab_size
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp),
+        vocab_size=padded,
         max_sequence_length=args.max_position_embeddings or args.seq_length or 4096,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),

@@ -13,6 +13,7 @@ Plain torch, no Megatron import: the layout is built on the host once per micro-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
@@ -36,20 +37,35 @@ class PackedLayout:
     cp_rank: int = 0
     multiple: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # the whole padded row's length is a multiple of this too (its last sequence pads more)
+    row_multiple: int = 1
 
     def __post_init__(self):
         if self.cp_size > 1 and self.multiple % (2 * self.cp_size):
             raise ValueError(f"multiple={self.multiple} must be a multiple of 2 x cp_size={self.cp_size}")
         self.padded_lengths = [_round_up(n, self.multiple) for n in self.lengths]
+        if self.padded_lengths and self.row_multiple > 1:
+            # a multiple of both, so the last sequence stays a multiple of ``multiple`` (its CP chunks stay even)
+            step = math.lcm(self.row_multiple, self.multiple)
+            self.padded_lengths[-1] += _round_up(sum(self.padded_lengths), step) - sum(self.padded_lengths)
         self.cu_seqlens = [0, *accumulate(self.padded_lengths)]  # padded starts, then the padded total
 
     @classmethod
     def for_parallelism(
-        cls, lengths: list[int], tp_size: int, sequence_parallel: bool, cp_size: int, cp_rank: int, device
+        cls,
+        lengths: list[int],
+        tp_size: int,
+        sequence_parallel: bool,
+        cp_size: int,
+        cp_rank: int,
+        device,
+        pad_size_multiplier: int = 1,
     ) -> PackedLayout:
-        """The layout Megatron needs for ``lengths`` under the given SP and CP."""
+        """The layout Megatron needs for ``lengths`` under the given SP and CP; with ``pad_size_multiplier``
+        (``--data-pad-size-multiplier``, slime) each CP rank's share of the row is a multiple of it x TP."""
         multiple = (2 * cp_size if cp_size > 1 else 1) * (tp_size if sequence_parallel else 1)
-        return cls(lengths, cp_size, cp_rank, multiple, torch.device(device))
+        row_multiple = pad_size_multiplier * tp_size * cp_size if pad_size_multiplier > 1 else 1
+        return cls(lengths, cp_size, cp_rank, multiple, torch.device(device), row_multiple)
 
     @property
     def local_length(self) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -101,6 +102,7 @@ class MegatronTrainer(TrainerBase):
         self.args, self.role = args, role
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self._start_memory_recording()
         torch.manual_seed(args.seed)
         random.seed(args.seed)
         np.random.seed(args.seed)
@@ -156,7 +158,15 @@ class MegatronTrainer(TrainerBase):
     def _load_module(self, path: str, role: str | None = None, step: int | None = None):
         """A GPTModel (for ``role``, default this trainer's) with weights from an HF dir or a torch_dist
         checkpoint dir (its iteration ``step``, default the latest)."""
-        module = build_gpt_model(self.args, self.hf_vocab_size, self.config)
+        if self.args.custom_model_provider_path:  # slime's hook: it must keep vime's packed attention
+            provider = load_hook(self.args.custom_model_provider_path, "--custom-model-provider-path")
+            module = provider(
+                pre_process=parallel_state.is_pipeline_first_stage(),
+                post_process=parallel_state.is_pipeline_last_stage(),
+                vp_stage=None,
+            )
+        else:
+            module = build_gpt_model(self.args, self.hf_vocab_size, self.config)
         if (role or self.role) == "critic":
             add_value_head(module, self.config, self.args.seed)
         if step is not None or checkpoint.latest_iteration(path) is not None:
@@ -243,7 +253,11 @@ class MegatronTrainer(TrainerBase):
         return self.module
 
     def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        modules = [m for m in (self.module, self.ref_model, self.teacher_model) if m is not None]
+        modules = [
+            m
+            for m in (self.module, self.ref_model, self.teacher_model, self.old_actor_model)
+            if m is not None
+        ]
         params = [p for m in modules for p in m.parameters()]
         grad_buffers = [b.grad_data for b in (*self.model.buffers, *self.model.expert_parallel_buffers)]
         main_grads = [getattr(p, "main_grad", None) for p in params]
@@ -255,25 +269,43 @@ class MegatronTrainer(TrainerBase):
 
     # ------------------------------------------------------------------------------------------ forward only
     def compute_log_probs(self, samples: list[Sample], model: str = "actor") -> PerSample:
-        """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"``), at
-        ``--rollout-temperature``, as CPU fp32 tensors; no grad."""
-        nets = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}
+        """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"`` /
+        ``"old_actor"``), at ``--rollout-temperature``, as CPU fp32 tensors; no grad."""
+        return self.compute_log_probs_and_entropy(samples, model, with_entropy=False)[0]
+
+    def compute_log_probs_and_entropy(
+        self, samples: list[Sample], model: str = "actor", with_entropy: bool = True
+    ) -> tuple[PerSample, PerSample | None]:
+        """:meth:`compute_log_probs` and the entropy of each predicting distribution (``--use-rollout-entropy``)."""
+        nets = {
+            "actor": self.model,
+            "ref": self.ref_model,
+            "teacher": self.teacher_model,
+            "old_actor": self.old_actor_model,
+        }
         if self.role != "actor" or nets.get(model) is None:
             raise ValueError(f"the {self.role} trainer has no {model!r} model")
         if self.before_log_prob_hook is not None:
             self.before_log_prob_hook(self.args, nets[model], samples, model)
-        return [t.cpu() for t in self._forward(nets[model], samples, model)]
+        return self._forward(nets[model], samples, model, with_entropy)
 
     def compute_values(self, samples: list[Sample]) -> PerSample:
         """The critic's values at the response tokens of this rank's samples, as CPU fp32 tensors; no grad."""
         if self.role != "critic":
             raise ValueError("compute_values needs the critic trainer (role='critic')")
-        return [t.cpu() for t in self._forward(self.model, samples, "critic")]
+        return self._forward(self.model, samples, "critic")[0]
 
-    def _micro_batch_token_budget(self) -> int | None:
-        """``--max-tokens-per-gpu`` x CP: context parallelism spreads a micro-batch's row over the CP ranks."""
-        budget = self.args.max_tokens_per_gpu
+    def _micro_batch_token_budget(self, forward_only: bool = False) -> int | None:
+        """The token budget x CP: context parallelism spreads a micro-batch's row over the CP ranks."""
+        budget = super()._micro_batch_token_budget(forward_only)
         return budget * parallel_state.get_context_parallel_world_size() if budget else budget
+
+    def _is_data_parallel_leader(self) -> bool:
+        return (
+            parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
+            and parallel_state.is_pipeline_last_stage()
+        )
 
     def _reduce_max(self, values: list[int]) -> list[int]:
         return [int(v) for v in _dp_reduce(values, op=dist.ReduceOp.MAX)]
@@ -291,6 +323,7 @@ class MegatronTrainer(TrainerBase):
             parallel_state.get_context_parallel_world_size(),
             parallel_state.get_context_parallel_rank(),
             "cuda",
+            self.args.data_pad_size_multiplier,
         )
         rows, order = layout.logit_rows(packed.logit_indices())
         local = layout.local_positions
@@ -362,6 +395,7 @@ class MegatronTrainer(TrainerBase):
             self.hf_vocab_size,
             with_entropy,
             entropy_grad,
+            self.args.log_probs_chunk_size,
         )
         return self._in_order(mb, log_probs), (self._in_order(mb, entropy) if entropy is not None else None)
 
@@ -376,23 +410,31 @@ class MegatronTrainer(TrainerBase):
             forward_only=forward_only,
         )
 
-    def _forward(self, model, samples: list[Sample], name: str) -> PerSample:
-        """Per-sample outputs of ``model`` (``name``: "actor", "ref", "teacher" or "critic"), its MoE routers
-        replaying or recording as the routing plan says."""
+    def _forward(
+        self, model, samples: list[Sample], name: str, with_entropy: bool = False
+    ) -> tuple[PerSample, PerSample | None]:
+        """Per-sample outputs of ``model`` (``name``: "actor", "ref", "teacher", "old_actor" or "critic") and, with
+        ``with_entropy``, the entropies; its MoE routers replay or record as the routing plan says."""
         out: PerSample = [torch.empty(0)] * len(samples)
+        entropies: PerSample = [torch.empty(0)] * len(samples)
+        with_entropy = with_entropy and self.role != "critic"
         mode, routes = self._pass_routing(name, samples)
         mbs = [
             self._model_batch(
                 pack_samples([samples[i] for i in mb], [routes[i] for i in mb] if routes else None),
                 indices=mb,
             )
-            for mb in self._micro_batches(samples)
+            for mb in self._micro_batches(samples, forward_only=True)
         ]
 
         def collect(mb, output):
-            per_token, _ = self._token_outputs(mb, output)
-            for i, piece in zip(mb["indices"], per_token.split(mb["packed"].response_lengths), strict=True):
+            per_token, entropy = self._token_outputs(mb, output, with_entropy)
+            lengths = mb["packed"].response_lengths
+            for i, piece in zip(mb["indices"], per_token.split(lengths), strict=True):
                 out[i] = piece.float()
+            if entropy is not None:
+                for i, piece in zip(mb["indices"], entropy.split(lengths), strict=True):
+                    entropies[i] = piece.float()
             return torch.zeros((), device="cuda"), torch.tensor(0, dtype=torch.int, device="cuda"), {}
 
         # eval mode: no dropout anyway, and Megatron's MoE refuses TP without sequence parallelism only in training
@@ -408,7 +450,8 @@ class MegatronTrainer(TrainerBase):
                         self.routing.store([samples[i] for i in mb["indices"]], routes)
         finally:
             model.train(was_training)
-        return self._from_last_stage(out)
+        cpu = [t.cpu() for t in self._from_last_stage(out)]
+        return cpu, ([t.cpu() for t in self._from_last_stage(entropies)] if with_entropy else None)
 
     def _from_last_stage(self, out: PerSample) -> PerSample:
         """Per-sample results live on the last pipeline stage; give every stage a copy."""
@@ -462,8 +505,18 @@ class MegatronTrainer(TrainerBase):
                 values, _ = self._token_outputs(mb, output)
                 loss, metrics = value_loss(args, mb["batch"], values)
             else:
-                log_probs, entropy = self._token_outputs(mb, output, True, entropy_grad)
-                loss, metrics = self.loss_fn(args, mb["batch"], log_probs, entropy)
+
+                def loss_of(output: torch.Tensor) -> tuple:
+                    log_probs, entropy = self._token_outputs(mb, output, True, entropy_grad)
+                    return self.loss_fn(args, mb["batch"], log_probs, entropy)
+
+                # --recompute-loss-function: keep only the logits for backward, recompute the rest from them
+                recompute = args.recompute_loss_function
+                loss, metrics = (
+                    torch.utils.checkpoint.checkpoint(loss_of, output, use_reentrant=False)
+                    if recompute
+                    else loss_of(output)
+                )
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss, torch.tensor(1, dtype=torch.int, device="cuda"), {}

@@ -109,6 +109,14 @@ class EngineControlClient:
         kwargs = {"weights_path": str(weights_path), "is_checkpoint_format": True}
         return await self.collective_rpc("reload_weights", kwargs=kwargs)
 
+    async def prompt_log_probs(self, model: str, tokens: list[int]) -> list[float]:
+        """The engine's log-prob of each of ``tokens[1:]`` given the tokens before it (``prompt_logprobs``)."""
+        body = {"model": model, "prompt": tokens, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+        entries = (await self._call("prompt_log_probs", "POST", "/v1/completions", body=body))["choices"][0][
+            "prompt_logprobs"
+        ]
+        return [entry[str(token)]["logprob"] for entry, token in zip(entries[1:], tokens[1:], strict=True)]
+
     async def sleep(self, level: int = 1) -> None:
         """Free weights (level 2) or offload them (level 1) and the KV cache. A no-op on CPU."""
         await self._call("sleep", "POST", "/sleep", params=[("level", str(level))])

@@ -6,7 +6,7 @@ A background thread checks every engine each ``--rollout-health-check-interval``
 taken out of the router at once, its process group is killed, and a new engine starts on the same GPUs (a new
 port). The new engine holds the initial weights, so it stays out of the router until the next weight sync has
 given it the current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests
-that were in flight on the dead one are sent again by the rollout (``vime.rollout.vllm_rollout``). An engine
+that were in flight on the dead one are sent again by the rollout (``vime.rollout.vllm_generate``). An engine
 that dies more than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router that vime
 started and that dies is restarted on its address with every admitted engine.
 """

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vime.backends.vllm_utils.cli_parsers import VIME_OWNED_VLLM_FLAGS, build_vllm_serve_parser
+from vime.utils.upstream_parsers import VIME_OWNED_VLLM_FLAGS, build_vllm_serve_parser
 
 ROLES = ("policy", "reference", "teacher", "reward")
 WORKER_TYPES = ("regular", "placeholder")

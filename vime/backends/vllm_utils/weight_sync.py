@@ -25,6 +25,7 @@ from vime.backends.vllm_utils.weight_transports import (
     Transport,
     write_hf_safetensors,
 )
+from vime.utils.misc import load_function
 from vime.utils.weight_buckets import Bucket
 
 __all__ = ["sync_weights", "sync_weights_from_trainer", "make_transport", "write_hf_safetensors"]
@@ -38,7 +39,7 @@ def sync_weights(
     ``weight_sync/gb_per_s`` and ``weight_sync/version``; the other ranks return ``{}``."""
     start = time.perf_counter()
     with EngineGroup(engine_urls) if rank == 0 else nullcontext() as engines:
-        buckets, staged_bytes = transport.stage(buckets, rank)
+        buckets, staged_bytes = transport.stage(buckets, rank, version)
         if engines is not None:
             engines.run(lambda engine: engine.pause(mode="keep"))
         try:
@@ -73,7 +74,13 @@ def make_transport(
     if key not in _transports:
         workers = args.rollout_num_gpus_per_engine
         if name == "disk":
-            _transports[key] = DiskTransport(disk_dir or args.update_weight_dir)
+            hook_path = args.custom_update_weight_post_write_path
+            hook = load_function(hook_path, "--custom-update-weight-post-write-path") if hook_path else None
+            _transports[key] = DiskTransport(
+                disk_dir or args.update_weight_dir,
+                keep_files=args.update_weight_disk_keep_files,
+                post_write=(lambda version_dir: hook(args, version_dir, list(engine_urls))) if hook else None,
+            )
         elif name == "distributed":
             _transports[key] = DistributedTransport(engine_urls, workers, rank)
         elif name == "tensor":

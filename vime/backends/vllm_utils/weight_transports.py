@@ -3,8 +3,9 @@ them (DESIGN.md §5). Each transport has two steps: ``stage`` (before the engine
 move and the bytes already staged) and ``move`` (engines paused; returns the bytes moved). ``engines`` is rank 0's
 :class:`~.control_client.EngineGroup`; other ranks get None and only take part in the collectives.
 
-- ``disk``: rank 0 writes HF safetensors into a directory the engines can read, while they still generate; then
-  every engine ``reload_weights`` from it.
+- ``disk``: rank 0 writes HF safetensors into ``<dir>/v<version>``, which the engines can read, while they still
+  generate (then ``--custom-update-weight-post-write-path`` runs); every engine ``reload_weights`` from it, and
+  the directory is deleted unless ``--update-weight-disk-keep-files``.
 - ``distributed``: rank 0 broadcasts each bucket, flattened into one byte buffer, over a weight process group
   spanning it and every engine worker (NCCL on GPU, gloo on CPU); the workers load it
   (``worker_extension.VimeWorkerExtension``).
@@ -18,8 +19,9 @@ two staging buffers) while the engines load the previous one.
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
@@ -36,7 +38,7 @@ from vime.utils.weight_buckets import Bucket, flatten_bucket, with_last_flag
 
 
 class Transport(Protocol):
-    def stage(self, buckets: Iterator[Bucket], rank: int) -> tuple[Iterator[Bucket], int]: ...
+    def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]: ...
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int: ...
 
@@ -62,24 +64,40 @@ def write_hf_safetensors(buckets: Iterable[Bucket], out_dir: str | Path) -> int:
 
 
 class DiskTransport:
-    """``disk``: safetensors files in ``directory`` (shared with the engines), then ``reload_weights``."""
+    """``disk``: safetensors files in ``directory/v<version>`` (shared with the engines), then ``reload_weights``;
+    ``post_write(version_dir)`` runs on rank 0 between the two; the version's files are deleted once loaded unless
+    ``keep_files``."""
 
-    def __init__(self, directory: str | Path | None):
+    def __init__(
+        self,
+        directory: str | Path | None,
+        keep_files: bool = False,
+        post_write: Callable[[str], None] | None = None,
+    ):
         if directory is None:
             raise ValueError(
                 "the disk weight-sync transport needs a shared directory: pass --update-weight-dir"
             )
         self.directory = Path(directory)
+        self.keep_files = keep_files
+        self.post_write = post_write
+        self.version_dir: Path | None = None
 
-    def stage(self, buckets: Iterator[Bucket], rank: int) -> tuple[Iterator[Bucket], int]:
+    def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         if rank != 0:
             _drain(buckets)
             return iter(()), 0
-        return iter(()), write_hf_safetensors(buckets, self.directory)
+        self.version_dir = self.directory / f"v{version:07d}"
+        nbytes = write_hf_safetensors(buckets, self.version_dir)
+        if self.post_write is not None:
+            self.post_write(str(self.version_dir))
+        return iter(()), nbytes
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
         if engines is not None:
-            engines.run(lambda engine: engine.reload_weights(str(self.directory)))
+            engines.run(lambda engine: engine.reload_weights(str(self.version_dir)))
+            if not self.keep_files:
+                shutil.rmtree(self.version_dir)
         return 0
 
 
@@ -110,7 +128,7 @@ class DistributedTransport:
         self.world_size = 1 + len(self.engine_urls) * workers_per_engine
         self.group: WeightGroup | None = None
 
-    def stage(self, buckets: Iterator[Bucket], rank: int) -> tuple[Iterator[Bucket], int]:
+    def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         return buckets, 0
 
     def connect(self, engines: EngineGroup) -> None:
@@ -187,7 +205,7 @@ class TensorTransport:
         self.num_workers = num_workers
         self.workers_per_engine = workers_per_engine
 
-    def stage(self, buckets: Iterator[Bucket], rank: int) -> tuple[Iterator[Bucket], int]:
+    def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         return buckets, 0
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:

@@ -26,9 +26,10 @@ from vime.rollout.rm_hub.gsm8k import compute_gsm8k_reward
 from vime.rollout.rm_hub.math_utils import compute_math_reward, extract_boxed
 from vime.rollout.rm_hub.remote import remote_rm
 from vime.utils.misc import load_function
+from vime.utils.rm_types import RM_TYPES, check_rm_type
 from vime.utils.types import Sample, Status
 
-__all__ = ["RM_TYPES", "async_rm", "batched_async_rm", "reward_samples"]
+__all__ = ["RM_TYPES", "async_rm", "batched_async_rm", "check_rm_type", "reward_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,28 +44,6 @@ _RULE_BASED: dict[str, Callable[[str, Any, dict], float | dict]] = {
     "gpqa": compute_gpqa_reward,
     "random": lambda *_: float(random.randint(0, 1)),
 }
-RM_TYPES = (*_RULE_BASED, "remote_rm")
-# boxed_<type>: the last \boxed{} stands for the whole response; math, deepscaler and dapo pick their answers out
-# themselves (slime's boxed_math scores 0 whatever the answer)
-BOXABLE = ("exact", "f1", "gsm8k", "gpqa")
-# slime's names that vime cannot provide, and why
-_REFUSED = {
-    "ifbench": "slime clones allenai/IFBench's instruction checkers from GitHub at run time, and they are no pip "
-    "package; vime fetches no code. Wrap them in your own reward with --custom-rm-path",
-}
-
-
-def check_rm_type(rm_type: str | None) -> str:
-    """``rm_type`` if it names a built-in reward (``boxed_<type>`` included), else ``ValueError`` saying why."""
-    base = rm_type.removeprefix("boxed_") if rm_type else rm_type
-    if base in _REFUSED:
-        raise ValueError(f"--rm-type {rm_type}: {_REFUSED[base]}")
-    if base not in RM_TYPES or (base != rm_type and base not in BOXABLE):
-        raise ValueError(
-            f"unknown --rm-type {rm_type!r}; valid: {', '.join(RM_TYPES)}, or boxed_<type> with a type that reads "
-            f"the whole response ({', '.join(BOXABLE)}) (or set --custom-rm-path)"
-        )
-    return rm_type
 
 
 async def async_rm(args: Any, sample: Sample, **kwargs: Any) -> float | dict[str, Any]:

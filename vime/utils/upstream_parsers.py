@@ -1,4 +1,8 @@
-"""The installed vLLM server's and vllm-router's own argument parsers (version differences live here)."""
+"""The installed vLLM server's and vllm-router's own argument parsers, which ``--vllm-*`` / ``--router-*`` mirror
+(``vime.utils.passthrough_args``); where they live differs between the vLLM versions we pin.
+
+Imported by the parser itself, so it sits with it in ``utils`` and imports vLLM and vllm-router lazily.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,350 @@
+"""Generation through vllm-router, token-in/token-out: one sample, or a fresh group in one ``n``-sample request,
+then the group's hooks and rewards (``--rollout-sample-hook-path``, ``--custom-rm-path`` / ``--rm-type``).
+
+The building blocks of the default rollout (``vime.rollout.vllm_rollout``) and of eval (``eval_rollout``); a custom
+generate function (``--custom-generate-function-path``) or rollout function uses :func:`generate`,
+:func:`append_response` and :func:`get_context` from here (also importable from ``vime.rollout.vllm_rollout``).
+
+The manager sets ``args.vllm_router_ip/port`` (where requests go), ``args.rollout_engine_urls`` (where
+abort/control calls go, never through the router), ``args.weight_version`` (recorded on each sample as its
+request is sent) and ``args.rollout_sample_seeds`` (per-request seeds; off on CPU engines, see
+``RolloutManager.start``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from vime.backends.vllm_utils.control_client import EngineControlClient
+from vime.backends.vllm_utils.routed_experts import apply_choice_routing
+from vime.rollout.rm_hub import reward_samples
+from vime.utils import http_utils
+from vime.utils.misc import load_function
+from vime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """The rollout cannot go on (router or engines unreachable, filter never satisfied...)."""
+
+
+class SampleGenerationError(RuntimeError):
+    """One request was refused (HTTP 4xx): the sample is marked FAILED and the batch goes on."""
+
+
+class RolloutContext:
+    """Per-process state shared by ``generate`` calls: HTTP session, concurrency bound, abort flag."""
+
+    def __init__(self, args):
+        if args.vllm_router_ip is None:
+            raise RolloutError(
+                "no router address: the rollout manager sets --vllm-router-ip/--vllm-router-port"
+            )
+        self.router_url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
+        self.engine_urls = list(getattr(args, "rollout_engine_urls", None) or [])
+        concurrency = args.rollout_concurrency * max(1, len(self.engine_urls))
+        self.semaphore = asyncio.Semaphore(concurrency)
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self.aborting = False
+        # --use-fault-tolerance: a request the router could not complete (its engine died) is sent again
+        self.retry_window_s = (
+            args.engine_start_timeout
+            + args.rollout_health_check_interval
+            + args.rollout_health_check_timeout
+            + 60
+            if getattr(args, "use_fault_tolerance", False)
+            else 0.0
+        )
+        self.requeued_samples = 0
+
+    async def completion(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST ``/v1/completions`` through the router; connection problems and 5xx are fatal."""
+        url = f"{self.router_url}/v1/completions"
+        try:
+            async with self.session.post(url, json=payload) as response:
+                body = await response.text()
+                if response.status >= 500:
+                    raise RolloutError(f"router {url} answered HTTP {response.status}: {body[:300]}")
+                if response.status >= 400:
+                    raise SampleGenerationError(f"HTTP {response.status} from {url}: {body[:300]}")
+                return json.loads(body)
+        except aiohttp.ClientError as exc:
+            raise RolloutError(
+                f"lost the router at {self.router_url} ({type(exc).__name__}: {exc}); is vllm-router running?"
+            ) from exc
+
+    async def abort_all(self) -> None:
+        """Abort every in-flight request on every engine (``/pause?mode=abort``), then resume them."""
+        clients = [EngineControlClient(url) for url in self.engine_urls]
+        try:
+            await asyncio.gather(*(client.pause(mode="abort") for client in clients))
+            await asyncio.gather(*(client.resume() for client in clients))
+        finally:
+            await asyncio.gather(*(client.close() for client in clients))
+
+
+_contexts: dict[tuple, RolloutContext] = {}
+
+
+def get_context(args) -> RolloutContext:
+    """The context for this router and event loop (created on first use)."""
+    key = (args.vllm_router_ip, args.vllm_router_port, id(asyncio.get_running_loop()))
+    if key not in _contexts:
+        _contexts[key] = RolloutContext(args)
+    return _contexts[key]
+
+
+async def close_contexts() -> None:
+    """Close every context's HTTP session, and the plug-ins' shared one (:mod:`vime.utils.http_utils`); the rollout
+    manager calls this at shutdown."""
+    while _contexts:
+        _, ctx = _contexts.popitem()
+        await ctx.session.close()
+    await http_utils.close_session()
+
+
+def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
+    """vLLM request fields for training (``--rollout-*``) or eval (``--eval-*``) sampling."""
+    prefix = "eval" if evaluation else "rollout"
+    params = {
+        "temperature": getattr(args, f"{prefix}_temperature"),
+        "top_p": getattr(args, f"{prefix}_top_p"),
+        "top_k": getattr(args, f"{prefix}_top_k"),
+        "max_tokens": getattr(args, f"{prefix}_max_response_len"),
+    }
+    return params | shared_params(args)
+
+
+def shared_params(args) -> dict[str, Any]:
+    """The request fields training and eval share: ``--rollout-stop`` / ``--rollout-stop-token-ids``, and the
+    response text's special tokens, kept unless ``--rollout-skip-special-tokens`` (slime's default and SGLang's
+    spacing: none added between special tokens)."""
+    params: dict[str, Any] = {
+        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "spaces_between_special_tokens": False,
+    }
+    if args.rollout_stop:
+        params["stop"] = args.rollout_stop
+    if args.rollout_stop_token_ids:
+        params["stop_token_ids"] = args.rollout_stop_token_ids
+    return params
+
+
+def sample_seed(args, sample: Sample) -> int:
+    """A per-sample sampling seed: reproducible given ``--rollout-seed`` and the sample's running index."""
+    return (args.rollout_seed * 1_000_003 + (sample.index or 0)) % (2**31 - 1)
+
+
+def _completion_payload(args, prompt: list[int], sampling_params: dict[str, Any], max_tokens: int) -> dict:
+    """The ``/v1/completions`` body for token-in/token-out generation with sampled-token log-probs (the
+    per-token strings of the log-probs stay token-id placeholders: nothing here reads them, and decoding them
+    one by one is a large part of the server's per-token cost)."""
+    return {
+        **sampling_params,
+        "model": args.hf_checkpoint,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+
+
+def _apply_choice(args, sample: Sample, choice: dict[str, Any], weight_version: int) -> Sample:
+    """Append one returned completion choice (tokens, log-probs, text, finish reason and, with
+    ``--use-rollout-routing-replay``, the routed experts) to ``sample``, generated from ``weight_version`` on."""
+    token_ids = choice.get("token_ids") or []
+    log_probs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    if len(log_probs) != len(token_ids):
+        raise RolloutError(f"engine returned {len(token_ids)} tokens but {len(log_probs)} log-probs")
+    append_response(sample, token_ids, log_probs, choice.get("text") or "", trainable=True)
+    sample.weight_versions.append(weight_version)
+    sample.status = Status.from_finish_reason(choice.get("finish_reason"))
+    has_routing = apply_choice_routing(sample, choice)
+    if (
+        getattr(args, "use_rollout_routing_replay", False)
+        and not has_routing
+        and sample.status != Status.ABORTED
+    ):
+        raise RolloutError(
+            "--use-rollout-routing-replay: the engine returned no routed_experts for a finished request; engines "
+            "must run with --enable-return-routed-experts (the rollout manager starts them so)"
+        )
+    return sample
+
+
+async def _request(
+    args, ctx: RolloutContext, payload: dict[str, Any], samples: list[Sample]
+) -> tuple[list[dict], int] | None:
+    """POST one completion request for ``samples`` (bounded by the concurrency limit): its choices and the weight
+    version the engines served when it was sent; None if it did not run: the rollout is aborting (samples marked
+    ABORTED) or the engine refused it (samples marked FAILED).
+
+    The version is read when the request is sent, not when it returns: a weight sync while it runs pauses the
+    engines in place and resumes them on the new weights, so its first tokens come from the older version (a
+    request sent while a sync is under way counts as the older version too: a conservative stamp)."""
+    async with ctx.semaphore:
+        if ctx.aborting:
+            for sample in samples:
+                sample.status = Status.ABORTED
+            return None
+        give_up_at = None
+        while True:
+            version = getattr(args, "weight_version", 0)
+            try:
+                return (await ctx.completion(payload))["choices"], version
+            except SampleGenerationError as exc:
+                for sample in samples:
+                    sample.mark_failed(str(exc))
+                    sample.remove_sample = True
+                return None
+            except RolloutError as exc:
+                # the samples are unchanged (the failed attempt appended nothing): sending the request again
+                # generates each of them once
+                give_up_at = give_up_at or time.monotonic() + ctx.retry_window_s
+                if time.monotonic() >= give_up_at:
+                    raise
+                ctx.requeued_samples += len(samples)
+                logger.warning("request for %d sample(s) failed (%s); sending it again", len(samples), exc)
+                await asyncio.sleep(1.0)
+                if ctx.aborting:
+                    for sample in samples:
+                        sample.status = Status.ABORTED
+                    return None
+
+
+def max_new_tokens(args, sample: Sample, sampling_params: dict[str, Any]) -> int:
+    """Tokens ``sample`` may still generate: ``max_tokens`` minus its response so far, and no more than
+    ``--rollout-max-context-len`` minus its length when that is set."""
+    remaining = sampling_params["max_tokens"] - sample.response_length
+    context = getattr(args, "rollout_max_context_len", None)
+    return remaining if context is None else min(remaining, context - len(sample.tokens))
+
+
+async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Generate (or continue, for a partially generated sample) one response, token-in/token-out."""
+    if sample.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED):
+        return sample
+    remaining = max_new_tokens(args, sample, sampling_params)
+    if remaining <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    payload = _completion_payload(args, sample.tokens, sampling_params, remaining)
+    if getattr(args, "rollout_sample_seeds", False):
+        payload["seed"] = sample_seed(args, sample)
+    response = await _request(args, get_context(args), payload, [sample])
+    if response is None:
+        return sample
+    choices, version = response
+    return _apply_choice(args, sample, choices[0], version)
+
+
+def is_fresh_group(group: list[Sample]) -> bool:
+    """Whether a group can be generated by one request with ``n`` samples: every sample still has only its
+    prompt (the same for all), and the indices are consecutive (so vLLM's per-child seeds ``seed + i`` are
+    the per-sample seeds)."""
+    first = group[0]
+    return all(
+        s.status == Status.PENDING
+        and s.response_length == 0
+        and s.tokens == first.tokens
+        and s.index == (first.index or 0) + i
+        for i, s in enumerate(group)
+    )
+
+
+async def generate_fresh_group(args, group: list[Sample], sampling_params: dict[str, Any]) -> list[Sample]:
+    """Generate a whole group (:func:`is_fresh_group`) with one request of ``n = len(group)``: one HTTP round trip
+    and one prefill for the group instead of one per sample, the same samples as :func:`generate` would draw."""
+    remaining = max_new_tokens(args, group[0], sampling_params)
+    if remaining <= 0:
+        for sample in group:
+            sample.status = Status.TRUNCATED
+        return group
+    payload = _completion_payload(args, group[0].tokens, sampling_params, remaining)
+    payload["n"] = len(group)
+    if getattr(args, "rollout_sample_seeds", False):
+        payload["seed"] = sample_seed(args, group[0])
+    response = await _request(args, get_context(args), payload, group)
+    if response is not None:
+        choices, version = response
+        if len(choices) != len(group):
+            raise RolloutError(f"engine returned {len(choices)} choices for a request with n={len(group)}")
+        for choice in choices:
+            _apply_choice(args, group[choice["index"]], choice, version)
+    return group
+
+
+def append_response(
+    sample: Sample, token_ids: list[int], log_probs: list[float], text: str, trainable: bool
+) -> None:
+    """Append generated (``trainable``) or environment/tool tokens (masked out, log-prob 0) to a sample."""
+    sample.append_response_tokens(
+        tokens=token_ids, log_probs=log_probs if trainable else None, trainable=trainable, text=text
+    )
+
+
+def reset_to_prompt(sample: Sample) -> Sample:
+    """Drop a sample's (partial) response so its prompt can be generated again from scratch."""
+    sample.tokens = sample.tokens[: sample.prompt_length]
+    sample.response, sample.response_length = "", 0
+    sample.loss_mask = sample.rollout_log_probs = sample.reward = sample.rollout_routed_experts = None
+    sample.weight_versions = []
+    sample.status, sample.failure_reason = Status.PENDING, None
+    return sample
+
+
+async def generate_group(
+    args, group: list[Sample], sampling_params: dict[str, Any], rollout_id: int | None = None
+) -> list[Sample]:
+    """Generate every sample of a group (one ``n``-sample request when the group is fresh and no custom generate
+    function is set), then reward it (unless the group was aborted)."""
+    if args.custom_generate_function_path:
+        generate_fn = load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+    elif is_fresh_group(group):
+        return await _rewarded(
+            args, await generate_fresh_group(args, group, dict(sampling_params)), rollout_id
+        )
+    else:
+        generate_fn = generate
+    if getattr(args, "mask_offpolicy_in_partial_rollout", False):
+        for sample in group:
+            mask_previous_response(sample)
+    outputs = await asyncio.gather(*(generate_fn(args, sample, dict(sampling_params)) for sample in group))
+    samples = [s for out in outputs for s in (out if isinstance(out, list) else [out])]
+    return await _rewarded(args, samples, rollout_id)
+
+
+def mask_previous_response(sample: Sample) -> None:
+    """``--mask-offpolicy-in-partial-rollout`` (slime): a partially generated sample that resumes under newer
+    weights trains only on the tokens generated from now on; its earlier response tokens get loss mask 0."""
+    if sample.response_length and sample.status in (Status.PENDING, Status.ABORTED):
+        sample.loss_mask = [0] * sample.response_length
+
+
+async def _rewarded(args, samples: list[Sample], rollout_id: int | None = None) -> list[Sample]:
+    """Reward the samples of a group, unless the group was aborted (it goes back to the buffer); first each
+    ``--rollout-sample-hook-path`` hook (slime: ``hook(args, sample, *, rollout_id, evaluation)``, sync or async,
+    returning a replacement Sample or None to keep the one it may have changed). As in slime, a sample whose reward
+    a custom generate function already set (e.g. a multi-agent system scoring its agents) keeps it."""
+    if any(s.status == Status.ABORTED for s in samples):
+        return samples
+    for path in getattr(args, "rollout_sample_hook_path", None) or []:
+        hook = load_function(path, "--rollout-sample-hook-path")
+        for i, sample in enumerate(samples):
+            out = hook(args, sample, rollout_id=rollout_id, evaluation=False)
+            if inspect.isawaitable(out):
+                out = await out
+            samples[i] = out if out is not None else sample
+    await reward_samples(args, [s for s in samples if s.reward is None])
+    return samples

@@ -1,0 +1,43 @@
+"""``--check-weight-update-equal``: after a weight sync, the engines must score a fixed sequence as the trainer does
+(DESIGN.md §5's correctness check, run by the loop instead of only by tests)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+CHECK_LENGTH = 24
+
+
+def check_tokens(hf_checkpoint: str) -> list[int]:
+    """A fixed sequence of ``CHECK_LENGTH`` token ids spread over the model's vocabulary."""
+    config = json.loads((Path(hf_checkpoint) / "config.json").read_text(encoding="utf-8"))
+    vocab = config.get("text_config", config)["vocab_size"]
+    return [(7919 * i + 11) % vocab for i in range(CHECK_LENGTH)]
+
+
+def tolerance(args: argparse.Namespace) -> float:
+    """Largest mean |log-prob difference| accepted: fp32 on both sides agrees to ~1e-6, half precision to ~1e-2;
+    an engine left with other weights is off by far more."""
+    fp32_engine = str(getattr(args, "vllm_dtype", "auto")) in ("float32", "float")
+    return 1e-3 if fp32_engine and not (args.bf16 or args.fp16) else 5e-2
+
+
+def compare(trainer: list[float], engines: dict[str, list[float]], tol: float, version: int) -> float:
+    """The largest mean |difference| over the engines; ``RuntimeError`` naming each engine above ``tol``."""
+    expected = torch.tensor(trainer, dtype=torch.float64)
+    diffs = {
+        url: float((torch.tensor(got, dtype=torch.float64) - expected).abs().mean())
+        for url, got in engines.items()
+    }
+    bad = {url: diff for url, diff in diffs.items() if diff > tol}
+    if bad:
+        listed = ", ".join(f"{url}: {diff:.3g}" for url, diff in bad.items())
+        raise RuntimeError(
+            f"--check-weight-update-equal: after weight sync {version} the engines' log-probs of a fixed sequence "
+            f"differ from the trainer's by more than {tol:g} on average ({listed}); the sync left weights behind"
+        )
+    return max(diffs.values(), default=0.0)
