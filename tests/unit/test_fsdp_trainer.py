@@ -160,6 +160,33 @@ def test_micro_batching_does_not_change_the_update(base_args):
     assert moved > 1e-4  # the two reductions are different losses, so the test can tell them apart
 
 
+def test_samples_of_one_trajectory_share_one_loss_denominator(base_args):
+    # slime's rollout_id: samples 0-1 and 4-6 are two trajectories, the rest their own; on-policy (ratio 1) each
+    # token's loss is -A, so the loss is minus the mean over the 5 trajectories of their token-weighted mean of A
+    rollout_ids = [100, 100, None, None, 200, 200, 200, None]
+    results = {}
+    for name, overrides in {"mbs1": dict(micro_batch_size=1), "mbs4": dict(micro_batch_size=4)}.items():
+        args = with_args(base_args, optimizer="sgd", lr=0.1, **overrides)
+        trainer = FSDPTrainer(args)
+        samples = make_samples()
+        for sample, rollout_id in zip(samples, rollout_ids, strict=True):
+            sample.rollout_id = rollout_id
+        rewards = shape_rewards(args, groups_of(samples))
+        results[name] = (full_params(trainer), trainer.train(0, samples, rewards))
+    lengths = [r for _, r in SHAPES]
+    trajectories = {}
+    for i, rollout_id in enumerate(rollout_ids):
+        key = rollout_id if rollout_id is not None else f"sample{i}"
+        total, tokens = trajectories.get(key, (0.0, 0))
+        trajectories[key] = (total + rewards[i] * lengths[i], tokens + lengths[i])
+    expected = -sum(total / tokens for total, tokens in trajectories.values()) / len(trajectories)
+    per_sample = -sum(rewards) / len(rewards)
+    assert abs(expected - per_sample) > 0.05  # the two reductions differ on this batch
+    for params, metrics in results.values():
+        assert metrics["pg_loss"] == pytest.approx(expected, rel=1e-5)
+    assert_same_params(results["mbs1"][0], results["mbs4"][0], rtol=1e-6, atol=1e-8)
+
+
 # ------------------------------------------------------------------------------------------- checkpoints
 def test_resume_continues_bit_for_bit(base_args, tmp_path):
     args = with_args(

@@ -364,3 +364,11 @@ def test_micro_batching_does_not_change_loss_or_gradients(use_gspo, calculate_pe
     torch.testing.assert_close(summed, full_loss.detach())
     torch.testing.assert_close(micro_logits.grad, full_logits.grad)
     assert not torch.allclose(summed_local, full_loss.detach(), rtol=1e-3, atol=1e-4)
+
+
+def test_reduce_per_trajectory_mean():
+    # samples 0 and 1 are one trajectory of 4 masked tokens: (1 + 2 + 4 + 5) / 4 = 3; the third sample, fully
+    # masked, is its own trajectory (0); divided by the global number of trajectories 2 → 1.5
+    denominators = t([4.0, 4.0, 0.0])
+    loss = reduce_token_loss(t(LOSS), t(MASK), LENGTHS, False, 2, 99, sample_denominators=denominators)
+    assert_values(loss, 1.5)

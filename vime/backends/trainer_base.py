@@ -10,6 +10,7 @@ and ``_train_step``; the FSDP2 and Megatron trainers both mix it in.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,11 @@ def teacher_log_probs_of(samples: list[Sample], log_probs: PerSample) -> PerSamp
             )
         teacher.append(torch.tensor(s.teacher_log_probs, dtype=torch.float32))
     return teacher
+
+
+def trajectory_key(sample: Sample) -> tuple[str, int | None]:
+    """The trajectory a sample belongs to: its ``rollout_id`` when a plug-in set one (slime's meaning), else itself."""
+    return ("trajectory", sample.rollout_id) if sample.rollout_id is not None else ("sample", sample.index)
 
 
 class TrainerBase:
@@ -351,9 +357,17 @@ class TrainerBase:
         normalised by the global sample and token counts), and the step's total token count over all data-parallel
         ranks."""
         args = self.args
-        num_samples, num_tokens, total_tokens = self._reduce_sum(
-            [len(samples), float(sum(m.sum() for m in masks)), sum(len(s.tokens) for s in samples)]
+        num_samples, num_tokens, total_tokens, in_trajectories = self._reduce_sum(
+            [
+                len(samples),
+                float(sum(m.sum() for m in masks)),
+                sum(len(s.tokens) for s in samples),
+                sum(s.rollout_id is not None for s in samples),
+            ]
         )
+        denominators = None
+        if in_trajectories:
+            num_samples, denominators = self._trajectory_denominators(samples, masks)
         routes = self.routing.for_training(samples) if self.routing is not None else None
         inputs = []
         for mb in self._micro_batches(samples):
@@ -369,6 +383,9 @@ class TrainerBase:
                     args.calculate_per_token_loss,
                     int(num_samples),
                     int(num_tokens),
+                    None
+                    if denominators is None
+                    else torch.tensor([denominators[i] for i in mb], device=device),
                 ),
             }
             for key, per_sample in data.items():
@@ -377,6 +394,23 @@ class TrainerBase:
                 )
             inputs.append((mb, packed, batch))
         return inputs, total_tokens
+
+    def _trajectory_denominators(self, samples: list[Sample], masks: PerSample) -> tuple[int, list[float]]:
+        """slime's loss over trajectories: the samples sharing a ``rollout_id`` (one trajectory split into several
+        samples, e.g. the turns or agents of one episode) form one token-weighted mean, and the optimizer step
+        averages over trajectories. Returns the number of trajectories in the step over all data-parallel ranks and
+        each sample's denominator: its trajectory's loss-masked tokens (a sample without ``rollout_id`` is its own
+        trajectory)."""
+        local: Counter = Counter()
+        for sample, mask in zip(samples, masks, strict=True):
+            local[trajectory_key(sample)] += float(mask.sum())
+        group = self._data_parallel_group()
+        gathered: list[Counter | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+        totals: Counter = Counter()
+        for part in gathered:
+            totals.update(part)
+        return len(totals), [totals[trajectory_key(s)] for s in samples]
 
     def _before_train_step(self, rollout_id: int, step: int) -> None:
         """Called before each optimizer step (the Megatron backend runs a user hook here)."""

@@ -29,14 +29,22 @@ def make_reducer(
     calculate_per_token_loss: bool,
     global_num_samples: int,
     global_num_tokens: int,
+    sample_denominators: torch.Tensor | None = None,
 ) -> Reducer:
     """``reduce(per_token) -> scalar``: this micro-batch's share of the global loss (``ppo_utils.reduce_token_loss``:
-    per-sample token mean / global samples, or with ``--calculate-per-token-loss`` token sum / global tokens)."""
+    per-sample token mean / global samples, or per-trajectory with ``sample_denominators``, or with
+    ``--calculate-per-token-loss`` token sum / global tokens)."""
     num_tokens = max(global_num_tokens, 1)  # a batch of only removed samples has no tokens and a zero loss
 
     def reduce(per_token: torch.Tensor) -> torch.Tensor:
         return ppo_utils.reduce_token_loss(
-            per_token, loss_mask, response_lengths, calculate_per_token_loss, global_num_samples, num_tokens
+            per_token,
+            loss_mask,
+            response_lengths,
+            calculate_per_token_loss,
+            global_num_samples,
+            num_tokens,
+            sample_denominators,
         )
 
     return reduce

@@ -309,12 +309,15 @@ def reduce_token_loss(
     calculate_per_token_loss: bool,
     global_num_samples: int,
     global_num_tokens: int,
+    sample_denominators: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a packed micro-batch's per-token loss so that summing over micro-batches gives the global loss.
 
     ``per_token_loss``/``loss_mask`` are 1-D over the packed responses whose lengths are ``sample_lengths``.
     Default: each sample's masked token mean (a fully masked sample counts 0), summed, ``/ global_num_samples``
-    (samples in the whole global batch). ``calculate_per_token_loss``: sum over masked tokens
+    (samples in the whole global batch). ``sample_denominators`` replaces each sample's own masked-token count
+    (slime's per-trajectory mean: every sample of a trajectory divides by the trajectory's masked tokens, and
+    ``global_num_samples`` counts trajectories). ``calculate_per_token_loss``: sum over masked tokens
     ``/ global_num_tokens`` (masked tokens in the whole global batch).
     """
     if per_token_loss.shape != loss_mask.shape or sum(sample_lengths) != per_token_loss.numel():
@@ -335,5 +338,7 @@ def reduce_token_loss(
     lengths = torch.as_tensor(sample_lengths, device=per_token_loss.device)
     sample_ids = torch.repeat_interleave(torch.arange(len(sample_lengths), device=lengths.device), lengths)
     per_sample_sum = masked_loss.new_zeros(len(sample_lengths)).index_add(0, sample_ids, masked_loss)
-    per_sample_count = mask.new_zeros(len(sample_lengths)).index_add(0, sample_ids, mask)
-    return (per_sample_sum / per_sample_count.clamp(min=1)).sum() / global_num_samples
+    if sample_denominators is None:
+        sample_denominators = mask.new_zeros(len(sample_lengths)).index_add(0, sample_ids, mask)
+    denominators = sample_denominators.to(per_sample_sum).clamp(min=1)
+    return (per_sample_sum / denominators).sum() / global_num_samples
