@@ -182,7 +182,7 @@ def test_samples_of_one_trajectory_share_one_loss_denominator(base_args):
     expected = -sum(total / tokens for total, tokens in trajectories.values()) / len(trajectories)
     per_sample = -sum(rewards) / len(rewards)
     assert abs(expected - per_sample) > 0.05  # the two reductions differ on this batch
-    for params, metrics in results.values():
+    for _, metrics in results.values():
         assert metrics["pg_loss"] == pytest.approx(expected, rel=1e-5)
     assert_same_params(results["mbs1"][0], results["mbs4"][0], rtol=1e-6, atol=1e-8)
 
