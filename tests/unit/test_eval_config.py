@@ -117,6 +117,31 @@ eval:
     )
 
 
+def test_slimes_key_for_the_samples_per_prompt_is_read(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        """
+eval:
+  defaults:
+    n_samples_per_eval_prompt: 4
+  datasets:
+    - name: aime
+      path: aime.jsonl
+      n_samples_per_eval_prompt: 16
+    - name: math500
+      path: math500.jsonl
+""",
+    )
+    aime, math500 = load_eval_configs(make_args(eval_config=path))
+    assert (aime.n_samples, math500.n_samples) == (16, 4)
+    both = write_yaml(
+        tmp_path,
+        "eval:\n  datasets:\n    - {name: a, path: a.jsonl, n_samples: 2, n_samples_per_eval_prompt: 3}\n",
+    )
+    with pytest.raises(ValueError, match="both 'n_samples_per_eval_prompt'"):
+        load_eval_configs(make_args(eval_config=both))
+
+
 def test_both_sources_at_once_is_an_error(tmp_path):
     path = write_yaml(tmp_path, "eval:\n  datasets:\n    - {name: a, path: a.jsonl}\n")
     with pytest.raises(ValueError, match="both --eval-prompt-data b b.jsonl and --eval-config .*eval.yaml"):
@@ -132,8 +157,8 @@ def test_both_sources_at_once_is_an_error(tmp_path):
             r"valid keys: name, path, rm_type, n_samples",
         ),
         (
-            "eval:\n  defaults: {n_samples_per_eval_prompt: 2}\n  datasets:\n    - {name: a, path: a.jsonl}\n",
-            r"eval.defaults of .*eval.yaml: unknown key 'n_samples_per_eval_prompt'.*valid keys: rm_type,",
+            "eval:\n  defaults: {temprature: 2}\n  datasets:\n    - {name: a, path: a.jsonl}\n",
+            r"eval.defaults of .*eval.yaml: unknown key 'temprature' \(did you mean 'temperature'\?\).*valid keys: rm_type,",
         ),
         (
             "eval:\n  defaults: {name: x}\n  datasets:\n    - {name: a, path: a.jsonl}\n",

@@ -356,6 +356,45 @@ def test_custom_loss_and_advantage_hooks(base_args):
     assert after[0].mean() > before[0].mean()
 
 
+def slime_custom_loss(args, batch, logits, sum_of_sample_mean):
+    """A loss written for slime's signature."""
+
+
+def test_a_custom_loss_with_slimes_signature_is_refused_with_how_to_port_it(base_args):
+    args = with_args(base_args, custom_loss_function_path="test_fsdp_trainer.slime_custom_loss")
+    with pytest.raises(
+        ValueError, match=r"slime's \(args, batch, logits, sum_of_sample_mean\).*batch\['reduce'\]"
+    ):
+        FSDPTrainer(args)
+
+
+SLIME_KEYS_SEEN: list[set[str]] = []
+
+
+def slime_advantages(args, rollout_data):
+    """Test hook with slime's contract: the same advantages as :func:`custom_advantages`, set in place."""
+    SLIME_KEYS_SEEN.append(set(rollout_data))
+    lengths = rollout_data["response_lengths"]
+    rollout_data["advantages"] = [torch.full((n,), float(i == 0)) for i, n in enumerate(lengths)]
+    rollout_data["returns"] = rollout_data["advantages"]
+
+
+def test_a_custom_advantage_function_with_slimes_contract_trains_like_ours(base_args):
+    params = {}
+    for path in ("test_fsdp_trainer.custom_advantages", "test_fsdp_trainer.slime_advantages"):
+        trainer = FSDPTrainer(with_args(base_args, lr=1e-2, custom_advantage_function_path=path))
+        trainer.train(0, make_samples(), [0.0] * 8)
+        params[path] = full_params(trainer)
+    assert_same_params(*params.values())
+    assert SLIME_KEYS_SEEN[-1] >= {
+        "log_probs", "ref_log_probs", "rewards", "values", "response_lengths", "total_lengths", "loss_masks",
+        "rollout_log_probs", "kl",
+    }  # fmt: skip
+    moved = FSDPTrainer(with_args(base_args, lr=1e-2))
+    moved.train(0, make_samples(), [0.0] * 8)  # zero advantages: no step
+    assert max((full_params(moved)[k] - v).abs().max() for k, v in params[path].items()) > 0
+
+
 def test_normalize_advantages_single_rank_matches_masked_whiten():
     advantages = [torch.tensor([1.0, 2.0]), torch.tensor([0.0, 5.0, -1.0])]
     masks = [torch.ones(2), torch.tensor([1.0, 0.0, 1.0])]

@@ -223,3 +223,23 @@ def test_ppo_needs_values_and_uses_gae():
     torch.testing.assert_close(adv[0], expected_adv)
     torch.testing.assert_close(ret[0], expected_ret)
     torch.testing.assert_close(adv[0], torch.tensor([0.75, 0.5]))  # returns 1 everywhere minus V
+
+
+def test_advantage_time_steps_all_counts_masked_tokens_as_steps_as_slime():
+    # a tool output in the middle: mask [1, 0, 1], reward 2, γ 0.5, no KL
+    masks = [torch.tensor([1.0, 0.0, 1.0])]
+    rf = make_args(advantage_estimator="reinforce_plus_plus", kl_coef=0.0, gamma=0.5)
+    (ours,), _ = compute_advantages_and_returns(rf, [2.0], masks, None, None, None)
+    torch.testing.assert_close(ours, torch.tensor([1.0, 0.0, 2.0]))  # the tool token is no step
+    rf.advantage_time_steps = "all"
+    (slimes,), _ = compute_advantages_and_returns(rf, [2.0], masks, None, None, None)
+    torch.testing.assert_close(slimes, torch.tensor([0.5, 1.0, 2.0]))  # it is one (reward 0)
+    # ppo, γ = λ = 1: every token is a GAE step, the reward on the last; A_t = 2 − V_t (V past the end 0)
+    values = [torch.tensor([0.5, 9.0, 0.25])]
+    ppo = make_args(advantage_estimator="ppo", gamma=1.0, lambd=1.0, advantage_time_steps="all")
+    (adv,), (ret,) = compute_advantages_and_returns(ppo, [2.0], masks, None, None, values)
+    torch.testing.assert_close(adv, torch.tensor([1.5, -7.0, 1.75]))
+    torch.testing.assert_close(ret, torch.tensor([2.0, 2.0, 2.0]))
+    ppo.advantage_time_steps = "loss_mask"  # the tool token's value (9) takes no part
+    (adv,), _ = compute_advantages_and_returns(ppo, [2.0], masks, None, None, values)
+    torch.testing.assert_close(adv, torch.tensor([1.5, 0.0, 1.75]))

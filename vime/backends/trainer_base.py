@@ -10,6 +10,7 @@ and ``_train_step``; the FSDP2 and Megatron trainers both mix it in.
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,7 @@ from vime.utils.train_data import (
     normalize_advantages,
     pack_samples,
     postprocess_rollout_data,
+    slime_custom_advantages,
 )
 from vime.utils.train_debug import MemoryRecorder, ci_check_rollout, ci_check_step, save_train_data
 from vime.utils.types import Sample
@@ -81,6 +83,23 @@ def teacher_log_probs_of(samples: list[Sample], log_probs: PerSample) -> PerSamp
             )
         teacher.append(torch.tensor(s.teacher_log_probs, dtype=torch.float32))
     return teacher
+
+
+def check_custom_loss(fn: Callable, path: str) -> Callable:
+    """``fn`` if it takes vime's ``(args, batch, log_probs, entropy)``; a loss written for slime's
+    ``(args, batch, logits, sum_of_sample_mean)`` is refused with how to port it (its inputs are Megatron-internal
+    there: logits and slime's own log-prob helpers)."""
+    names = list(inspect.signature(fn).parameters)
+    if "logits" in names or "sum_of_sample_mean" in names:
+        raise ValueError(
+            f"--custom-loss-function-path {path} takes slime's (args, batch, logits, sum_of_sample_mean); vime calls "
+            "fn(args, batch, log_probs, entropy): log_probs are the response tokens' log-probs at the rollout "
+            "temperature, with grad (what slime's get_log_probs_and_entropy(logits, ...) computes), entropy the same "
+            "for the entropy, batch['reduce'] is sum_of_sample_mean, and batch holds packed 1-D tensors "
+            "(advantages, old_log_probs, ref_log_probs, rollout_log_probs, loss_mask) with response_lengths; see "
+            "vime.utils.loss.policy_loss"
+        )
+    return fn
 
 
 def trajectory_key(sample: Sample) -> tuple[str, int | None]:
@@ -205,7 +224,10 @@ class TrainerBase:
             )
         self.loss_fn: Callable = sft_loss if args.loss_type == "sft_loss" else policy_loss
         if args.custom_loss_function_path:
-            self.loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
+            self.loss_fn = check_custom_loss(
+                load_function(args.custom_loss_function_path, "--custom-loss-function-path"),
+                args.custom_loss_function_path,
+            )
         self.advantage_fn: Callable | None = None
         if args.custom_advantage_function_path:
             self.advantage_fn = load_function(
@@ -428,13 +450,19 @@ class TrainerBase:
         ref_log_probs: PerSample | None,
         values: PerSample | None,
     ) -> tuple[PerSample, PerSample]:
-        """``--custom-advantage-function-path`` or the estimator of ``--advantage-estimator``; returns are
-        ``advantages + values`` for a custom function (what the critic regresses to)."""
+        """``--custom-advantage-function-path`` or the estimator of ``--advantage-estimator``. A custom function
+        with slime's contract ``fn(args, rollout_data)`` sets both; with vime's, ``fn(args, samples, rewards,
+        log_probs, ref_log_probs, values) -> advantages``, the returns are ``advantages + values`` (what the critic
+        regresses to)."""
         log_probs, ref_log_probs, values = (
             [t.cpu() for t in ts] if ts is not None else None for ts in (log_probs, ref_log_probs, values)
         )
         if self.advantage_fn is None:
             return compute_advantages_and_returns(self.args, rewards, masks, log_probs, ref_log_probs, values)
+        if len(inspect.signature(self.advantage_fn).parameters) == 2:
+            return slime_custom_advantages(
+                self.advantage_fn, self.args, samples, rewards, masks, log_probs, ref_log_probs, values
+            )
         advantages = self.advantage_fn(self.args, samples, rewards, log_probs, ref_log_probs, values)
         returns = (
             [a + v for a, v in zip(advantages, values, strict=True)] if values is not None else advantages

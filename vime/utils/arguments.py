@@ -441,6 +441,16 @@ ALGORITHM = [
     ("--entropy-coef", dict(type=float, default=0.0, help="Entropy bonus weight.")),
     ("--gamma", dict(type=float, default=1.0, help="Discount (ppo, reinforce++).")),
     ("--lambd", dict(type=float, default=1.0, help="GAE lambda (ppo).")),
+    (
+        "--advantage-time-steps",
+        dict(
+            default="loss_mask",
+            choices=["loss_mask", "all"],
+            help="Time steps of reinforce++ returns and ppo's GAE when a response has masked (tool/environment) "
+            "tokens: loss_mask (only trained tokens; the reward on the last one) or all (slime: every response "
+            "token; ppo's reward and KL on every token, the reward on the last). Identical without masked tokens.",
+        ),
+    ),
     ("--value-clip", dict(type=float, default=0.2, help="Value-loss clip range (ppo).")),
     ("--critic-lr", dict(type=float, default=None, help="Critic learning rate (default --lr).")),
     ("--num-critic-only-steps", dict(type=int, default=0, help="Rollouts that train only the critic first.")),
@@ -621,7 +631,14 @@ ALGORITHM = [
             help="Skip advantages (all zero) for losses that do not use them (SFT, custom losses).",
         ),
     ),
-    ("--custom-advantage-function-path", dict(default=None, help="Replace the advantage estimator.")),
+    (
+        "--custom-advantage-function-path",
+        dict(
+            default=None,
+            help="Replace the advantage estimator: slime's fn(args, rollout_data) (sets rollout_data['advantages'] "
+            "and ['returns']) or fn(args, samples, rewards, log_probs, ref_log_probs, values) -> advantages.",
+        ),
+    ),
     (
         "--custom-reward-post-process-path",
         dict(

@@ -11,6 +11,7 @@ The YAML schema (every key except ``name`` and ``path`` is optional)::
           path: data/gsm8k_test.jsonl@[:200]
           rm_type: gsm8k
           n_samples: 8          # overrides defaults, which override the command-line flags
+                                # (slime's key n_samples_per_eval_prompt is read as n_samples)
 
 Precedence per field: dataset entry > ``eval.defaults`` > flags (``--n-samples-per-eval-prompt``,
 ``--eval-temperature``, ``--eval-top-p``, ``--eval-top-k``, ``--eval-max-response-len``, ``--rm-type``,
@@ -73,6 +74,8 @@ class EvalDatasetConfig:
 
 
 FIELDS = [f.name for f in dataclasses.fields(EvalDatasetConfig)]
+# slime's eval-YAML keys that vime names differently
+SLIME_KEYS = {"n_samples_per_eval_prompt": "n_samples"}
 # Accepted YAML value types per field (None is accepted where the field is optional).
 _TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,),
@@ -147,6 +150,7 @@ def _from_yaml(args: argparse.Namespace, path: Path) -> list[EvalDatasetConfig]:
         raise ValueError(
             f"--eval-config {path}: eval.defaults must be a mapping, got {type(defaults).__name__}"
         )
+    defaults = _vime_keys(defaults, f"eval.defaults of {path}")
     _check_keys(defaults, [f for f in FIELDS if f not in ("name", "path")], f"eval.defaults of {path}")
     entries = section.get("datasets")
     if not isinstance(entries, list) or not entries:
@@ -166,6 +170,7 @@ def _build(
             raise ValueError(f"{where}: expected a mapping with name and path, got {entry!r}")
         if isinstance(entry.get("name"), str):
             where = f"eval dataset {entry['name']!r} in {source}"
+        entry = _vime_keys(entry, where)
         _check_keys(entry, FIELDS, where)
         for key in ("name", "path"):
             if not entry.get(key):
@@ -190,6 +195,17 @@ def _build(
             )
         configs.append(EvalDatasetConfig(**values))
     return configs
+
+
+def _vime_keys(mapping: dict[str, Any], where: str) -> dict[str, Any]:
+    """``mapping`` with slime's key names (:data:`SLIME_KEYS`) renamed to vime's."""
+    renamed = dict(mapping)
+    for slime_key, key in SLIME_KEYS.items():
+        if slime_key in renamed:
+            if key in renamed:
+                raise ValueError(f"{where}: both {slime_key!r} (slime's name) and {key!r} are set; keep one")
+            renamed[key] = renamed.pop(slime_key)
+    return renamed
 
 
 def _check_keys(mapping: dict[str, Any], valid: list[str], where: str) -> None:

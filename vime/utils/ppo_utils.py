@@ -125,13 +125,15 @@ def get_reinforce_plus_plus_returns(
     loss_masks: list[torch.Tensor],
     kl_coef: float,
     gamma: float,
+    all_steps: bool = False,
 ) -> list[torch.Tensor]:
     """REINFORCE++ returns ``A_t = Σ_k γ^k r_{t+k}`` (k over masked tokens) of ``compute_token_rewards``; 0 at
-    unmasked tokens."""
+    unmasked tokens. ``all_steps`` (slime): k runs over every response token, masked ones included (their token
+    reward is 0)."""
     returns = []
     for reward, kl_i, loss_mask in zip(rewards, kl, loss_masks, strict=True):
         token_rewards = compute_token_rewards(reward, kl_i, loss_mask, kl_coef)
-        selected = loss_mask.bool()
+        selected = torch.ones_like(loss_mask, dtype=torch.bool) if all_steps else loss_mask.bool()
         sample_returns = torch.zeros_like(token_rewards)
         sample_returns[selected] = discounted_cumsum(token_rewards[selected], gamma)
         returns.append(sample_returns)

@@ -14,7 +14,7 @@ shaped reward is 0 and it is left out of its group's mean and std.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -329,6 +329,22 @@ def split_routing(experts: torch.Tensor, lengths: Sequence[int]) -> list[torch.T
 
 
 # ------------------------------------------------------------------------------------ advantages and returns
+def token_kl(
+    args: argparse.Namespace,
+    loss_masks: list[torch.Tensor],
+    log_probs: list[torch.Tensor] | None,
+    ref_log_probs: list[torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """The per-token KL that shapes token rewards: ``compute_approx_kl(log_probs, ref_log_probs, --kl-loss-type)``,
+    zeros without a reference or with ``--kl-coef 0``."""
+    if args.kl_coef != 0 and log_probs is not None and ref_log_probs is not None:
+        return [
+            ppo_utils.compute_approx_kl(lp, ref, args.kl_loss_type)
+            for lp, ref in zip(log_probs, ref_log_probs, strict=True)
+        ]
+    return [torch.zeros_like(m, dtype=torch.float32) for m in loss_masks]
+
+
 def compute_advantages_and_returns(
     args: argparse.Namespace,
     rewards: list[float],
@@ -345,18 +361,15 @@ def compute_advantages_and_returns(
     returns are the critic's targets (for the other estimators they equal the advantages).
     """
     r = torch.tensor(rewards, dtype=torch.float32)
-    if args.kl_coef != 0 and log_probs is not None and ref_log_probs is not None:
-        kl = [
-            ppo_utils.compute_approx_kl(lp, ref, args.kl_loss_type)
-            for lp, ref in zip(log_probs, ref_log_probs, strict=True)
-        ]
-    else:
-        kl = [torch.zeros_like(m) for m in loss_masks]
+    kl = token_kl(args, loss_masks, log_probs, ref_log_probs)
     estimator = args.advantage_estimator
+    all_steps = getattr(args, "advantage_time_steps", "loss_mask") == "all"
     if estimator in ("grpo", "gspo"):
         advantages = ppo_utils.get_grpo_returns(r, kl)
     elif estimator == "reinforce_plus_plus":
-        advantages = ppo_utils.get_reinforce_plus_plus_returns(r, kl, loss_masks, args.kl_coef, args.gamma)
+        advantages = ppo_utils.get_reinforce_plus_plus_returns(
+            r, kl, loss_masks, args.kl_coef, args.gamma, all_steps
+        )
     elif estimator == "reinforce_plus_plus_baseline":
         advantages = ppo_utils.get_reinforce_plus_plus_baseline_advantages(r, kl, loss_masks, args.kl_coef)
     elif estimator == "ppo":
@@ -364,16 +377,59 @@ def compute_advantages_and_returns(
             raise ValueError(
                 "--advantage-estimator ppo needs the critic's values (critic.compute_values(samples))"
             )
+        # all_steps (slime): every response token is a GAE step, with its KL reward and the reward on the last
+        steps = [torch.ones_like(m) if all_steps else m for m in loss_masks]
         pairs = [
             ppo_utils.get_advantages_and_returns(
-                v, ppo_utils.compute_token_rewards(ri, k, m, args.kl_coef), m, args.gamma, args.lambd
+                v, ppo_utils.compute_token_rewards(ri, k, s, args.kl_coef), s, args.gamma, args.lambd
             )
-            for ri, k, m, v in zip(r, kl, loss_masks, values, strict=True)
+            for ri, k, s, v in zip(r, kl, steps, values, strict=True)
         ]
         return [a for a, _ in pairs], [ret for _, ret in pairs]
     else:
         raise ValueError(f"unknown --advantage-estimator {estimator!r}")
     return advantages, advantages
+
+
+def slime_custom_advantages(
+    fn: Callable[[argparse.Namespace, dict[str, Any]], None],
+    args: argparse.Namespace,
+    samples: list[Sample],
+    rewards: list[float],
+    loss_masks: list[torch.Tensor],
+    log_probs: list[torch.Tensor] | None,
+    ref_log_probs: list[torch.Tensor] | None,
+    values: list[torch.Tensor] | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Call a ``--custom-advantage-function-path`` written for slime: ``fn(args, rollout_data)`` fills
+    ``rollout_data["advantages"]`` and ``["returns"]`` (per-sample tensors) from slime's keys: ``log_probs``,
+    ``ref_log_probs``, ``rewards``, ``values``, ``response_lengths``, ``total_lengths``, ``loss_masks``,
+    ``rollout_log_probs`` and ``kl`` (``--kl-loss-type`` KL to the reference; zeros with ``--kl-coef 0``)."""
+    kl = token_kl(args, loss_masks, log_probs, ref_log_probs)
+    rollout_data: dict[str, Any] = {
+        "log_probs": log_probs,
+        "ref_log_probs": ref_log_probs,
+        "rewards": list(rewards),
+        "values": values,
+        "response_lengths": [s.response_length for s in samples],
+        "total_lengths": [len(s.tokens) for s in samples],
+        "loss_masks": loss_masks,
+        "rollout_log_probs": [
+            torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+            if s.rollout_log_probs is not None
+            else None
+            for s in samples
+        ],
+        "kl": kl,
+    }
+    fn(args, rollout_data)
+    missing = [key for key in ("advantages", "returns") if key not in rollout_data]
+    if missing:
+        raise ValueError(
+            f"--custom-advantage-function-path {args.custom_advantage_function_path} (slime's fn(args, rollout_data)) "
+            f"did not set rollout_data{missing}; it must set both, one tensor per sample"
+        )
+    return list(rollout_data["advantages"]), list(rollout_data["returns"])
 
 
 def normalize_advantages(
