@@ -1,0 +1,78 @@
+"""Checkpoint and weight-sync flags.
+
+Each group is a list of ``(flag, add_argument kwargs)``; ``vime.utils.arguments`` builds the parser."""
+
+from __future__ import annotations
+
+CHECKPOINT = [
+    (
+        "--ref-load",
+        dict(
+            default=None,
+            help="Reference model for KL (default --hf-checkpoint); also the fallback for --load.",
+        ),
+    ),
+    (
+        "--ref-ckpt-step",
+        dict(type=int, default=None, help="Iteration of a checkpoint --ref-load for the reference model."),
+    ),
+    ("--critic-load", dict(default=None, help="Critic checkpoint to load.")),
+    ("--critic-save", dict(default=None, help="Critic checkpoint directory.")),
+    (
+        "--save-hf",
+        dict(default=None, help="Also export HF weights here at each save ({rollout_id} is filled in)."),
+    ),
+]
+
+SYNC = [
+    (
+        "--update-weight-transport",
+        dict(
+            default=None,
+            choices=["disk", "distributed", "nccl", "tensor"],
+            help="Weight sync transport (default: tensor with --colocate, else distributed; nccl is slime's name "
+            "for distributed).",
+        ),
+    ),
+    (
+        "--update-weight-mode",
+        dict(
+            default="full",
+            choices=["full", "delta"],
+            help="full: every sync sends every weight (delta, slime's SGLang-side diff sync, is refused).",
+        ),
+    ),
+    (
+        "--update-weight-disk-dir",
+        dict(dest="update_weight_dir", default=None, help="slime's name for --update-weight-dir."),
+    ),
+    (
+        "--update-weight-disk-keep-files",
+        dict(
+            action="store_true",
+            help="disk transport: keep every sync's weights (<dir>/v<version>) instead of deleting them once "
+            "the engines have loaded them.",
+        ),
+    ),
+    (
+        "--custom-update-weight-post-write-path",
+        dict(
+            default=None,
+            help="disk transport: hook(args, version_dir, engine_urls) on every training rank after the files "
+            "are written, before the engines read them (slime).",
+        ),
+    ),
+    (
+        "--check-weight-update-equal",
+        dict(
+            action="store_true",
+            help="After every weight sync compare each engine's log-probs of a fixed sequence with the trainer's; "
+            "a mismatch stops the run (slime checks the engines' weights).",
+        ),
+    ),
+    (
+        "--update-weight-buffer-size",
+        dict(type=int, default=512 * 1024**2, help="Bytes per weight-sync bucket."),
+    ),
+    ("--update-weight-dir", dict(default=None, help="Shared directory for --update-weight-transport disk.")),
+]

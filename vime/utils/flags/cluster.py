@@ -1,0 +1,51 @@
+"""Cluster flags: nodes, GPUs per role, colocation and offload.
+
+Each group is a list of ``(flag, add_argument kwargs)``; ``vime.utils.arguments`` builds the parser."""
+
+from __future__ import annotations
+
+CLUSTER = [
+    (
+        "--train-backend",
+        dict(
+            default="megatron",
+            choices=["megatron", "fsdp"],
+            help="Training backend (megatron needs CUDA + megatron-core).",
+        ),
+    ),
+    ("--actor-num-nodes", dict(type=int, default=1, help="Nodes for the actor.")),
+    (
+        "--actor-num-gpus-per-node",
+        dict(type=int, default=1, help="Training ranks per node (GPUs, or CPU processes without GPUs)."),
+    ),
+    ("--critic-num-nodes", dict(type=int, default=None, help="Nodes for the critic (default: as actor).")),
+    (
+        "--critic-num-gpus-per-node",
+        dict(type=int, default=None, help="Ranks per node for the critic (default: as actor)."),
+    ),
+    (
+        "--rollout-num-gpus",
+        dict(
+            type=int,
+            default=None,
+            help="GPUs for all vLLM engines (default: actor's with --colocate, else 1).",
+        ),
+    ),
+    (
+        "--rollout-num-gpus-per-engine",
+        dict(type=int, default=1, help="GPUs per engine (vLLM tensor parallel size)."),
+    ),
+    (
+        "--num-gpus-per-node",
+        dict(
+            type=int, default=8, help="GPUs per node: an engine (--rollout-num-gpus-per-engine) fits in one."
+        ),
+    ),
+    (
+        "--colocate",
+        dict(action="store_true", help="Training and rollout share GPUs (engines sleep while training)."),
+    ),
+    ("--offload", dict(action="store_true", help="Same as --offload-train --offload-rollout.")),
+    ("--offload-train", dict(action="store_true", help="Move training state off the GPU during rollout.")),
+    ("--offload-rollout", dict(action="store_true", help="Sleep vLLM engines during training.")),
+]
