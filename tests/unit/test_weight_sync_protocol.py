@@ -163,3 +163,55 @@ def test_make_transport_builds_each_once_and_names_a_missing_directory(tmp_path)
     assert isinstance(ipc, TensorTransport) and ipc.num_workers == 4
     with pytest.raises(ValueError, match="needs a shared directory: pass --update-weight-dir"):
         weight_sync.make_transport(args("disk"), ["http://other"], None, rank=0)
+
+
+class TokenReadingEngines:
+    """Engines that read the disk transport's token file from their own node: ``views[i]`` maps the trainer's path
+    to what engine ``i`` finds there (None: the directory is not on its node)."""
+
+    def __init__(self, views):
+        self.urls = [f"http://e{i}" for i in range(len(views))]
+        self.views, self.reloaded = views, []
+
+    def run(self, call):
+        return [call(_TokenClient(self, i)) for i in range(len(self.urls))]
+
+
+class _TokenClient:
+    def __init__(self, group, i):
+        self.group, self.i = group, i
+
+    def collective_rpc(self, method, kwargs):
+        assert method == "read_sync_token"
+        view = self.group.views[self.i]
+        return [view(kwargs["path"]) if view else None]
+
+    def reload_weights(self, path):
+        self.group.reloaded.append((self.i, path))
+
+
+def test_disk_engines_reload_only_once_each_reads_the_trainers_token(tmp_path):
+    from pathlib import Path
+
+    from vime.backends.vllm_utils.weight_transports import DiskTransport
+
+    disk = DiskTransport(tmp_path / "w")
+    disk.stage(_buckets(), rank=0)
+    shared = TokenReadingEngines([lambda path: Path(path).read_text()] * 2)
+    assert disk.move(iter(()), shared, rank=0) == 0
+    assert shared.reloaded == [(0, str(tmp_path / "w")), (1, str(tmp_path / "w"))]
+
+    disk.stage(
+        _buckets(), rank=0
+    )  # a new token per sync: an engine reading last sync's directory is caught too
+    stale = TokenReadingEngines([lambda path: Path(path).read_text(), lambda path: "an old token"])
+    with pytest.raises(
+        RuntimeError, match=r"engine at http://e1 does not see the weights .* shared by the trainer"
+    ):
+        disk.move(iter(()), stale, rank=0)
+    elsewhere = TokenReadingEngines([lambda path: Path(path).read_text(), None])
+    with pytest.raises(
+        RuntimeError, match=r"http://e1 .*reads \[None\].*--update-weight-transport distributed"
+    ):
+        disk.move(iter(()), elsewhere, rank=0)
+    assert stale.reloaded == elsewhere.reloaded == []

@@ -10,13 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray._private import ray_constants
 
 from vime.backends.vllm_utils import control_auth
-from vime.ray.placement_group import create_placement_groups, num_bundles
+from vime.ray.placement_group import bundle_slots, create_placement_groups, num_bundles
 from vime.ray.rollout_batch import RolloutBatch
-from vime.ray.rollout_manager import bundle_gpus, create_rollout_manager
+from vime.ray.rollout_manager import create_rollout_manager
 from vime.ray.train_group import RayTrainGroup
 from vime.utils.arg_validation import check_run_paths
+from vime.utils.reaper import start_reaper
 from vime.utils.tracking import Tracker
 
 WORKER_EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
@@ -34,6 +36,9 @@ def init_ray(args: argparse.Namespace) -> None:
     previous ``ray start`` left registered in /tmp/ray). Locally, CPU bundles may outnumber the cores: the
     engines and ranks then share them, which is what a CPU run does anyway.
 
+    A local instance is the run's own: it listens on loopback only (so do the engines and training stores, which
+    use Ray's node address) and dies with the driver, even a SIGKILLed one (:mod:`vime.utils.reaper`).
+
     ``ray start`` (Ray 2.60) turns on token authentication; a driver given an explicit address sends the token
     only with ``RAY_AUTH_MODE=token`` in its environment (Ray reads it at import, so it cannot be set here)."""
     runtime_env = {
@@ -41,13 +46,18 @@ def init_ray(args: argparse.Namespace) -> None:
     }  # engines' control secret
     if address := os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
-    else:
-        ray.init(
-            address="local",
-            num_cpus=max(os.cpu_count() or 1, num_bundles(args)),
-            log_to_driver=False,
-            runtime_env=runtime_env,
-        )
+        return
+    # Ray takes the machine's outward address as the node's, and binds its servers to every interface, unless
+    # that address is loopback, which it gives only where it runs without clusters (its Windows/macOS switch).
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, num_bundles(args)),
+        log_to_driver=False,
+        include_dashboard=False,
+        runtime_env=runtime_env,
+    )
+    start_reaper()
 
 
 @dataclass
@@ -221,10 +231,11 @@ def start_run(args: argparse.Namespace) -> Run:
             for group in (actor, critic):
                 if group is not None:
                     group.offload()  # the engines find the GPU memory free when they start
-        gpus = None
-        if pgs["rollout"].resource == "GPU" and not args.debug_train_only:
-            gpus = actor.gpus()[: args.rollout_num_gpus] if args.colocate else bundle_gpus(pgs["rollout"])
-        manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION, gpus)
+        slots = []  # the rollout bundles' nodes and GPUs (a colocated engine shares its training rank's)
+        if not args.debug_train_only:
+            colocated = args.colocate and actor is not None
+            slots = actor.slots()[: args.rollout_num_gpus] if colocated else bundle_slots(pgs["rollout"])
+        manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION, slots)
         if args.offload_train:
             if args.offload_rollout and not args.debug_train_only:
                 ray.get(manager.sleep.remote())  # the first weight sync wakes them

@@ -19,7 +19,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from vime.backends.vllm_utils.engine import ServerProcess, VLLMEngine
+from vime.backends.vllm_utils.engine import ServerProcess
+from vime.backends.vllm_utils.engine_fleet import EngineHandle
 from vime.backends.vllm_utils.router import RouterProcess, register_workers, unregister_worker
 from vime.utils.async_utils import run
 
@@ -33,9 +34,9 @@ class EngineMonitor:
     def __init__(
         self,
         args,
-        engines: list[VLLMEngine],
+        engines: list[EngineHandle],
         router_url: str,
-        make_engine: Callable[[int], VLLMEngine],
+        make_engine: Callable[[int], EngineHandle],
         router: RouterProcess | None = None,
     ):
         self.args = args
@@ -112,7 +113,7 @@ class EngineMonitor:
                     except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                         self.fatal = e
 
-    def _healthy(self, server: ServerProcess, path: str = "/health") -> bool:
+    def _healthy(self, server: EngineHandle | ServerProcess, path: str = "/health") -> bool:
         if not server.is_alive():
             return False
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

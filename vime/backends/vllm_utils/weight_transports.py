@@ -18,6 +18,7 @@ two staging buffers) while the engines load the previous one.
 from __future__ import annotations
 
 import concurrent.futures
+import secrets
 import socket
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -30,8 +31,8 @@ from safetensors.torch import save_file
 
 from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.cuda_ipc import share_cuda_buffer
-from vime.backends.vllm_utils.worker_extension import WeightGroup, create_weight_group
-from vime.utils.misc import free_port
+from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE, WeightGroup, create_weight_group
+from vime.utils.net import listen_socket
 from vime.utils.weight_buckets import Bucket, flatten_bucket, with_last_flag
 
 
@@ -62,7 +63,9 @@ def write_hf_safetensors(buckets: Iterable[Bucket], out_dir: str | Path) -> int:
 
 
 class DiskTransport:
-    """``disk``: safetensors files in ``directory`` (shared with the engines), then ``reload_weights``."""
+    """``disk``: safetensors files in ``directory`` (shared with the engines), then ``reload_weights``. Each sync also
+    writes a fresh token there, and every engine must read it back before reloading: an engine on a node where the
+    directory is not shared (or is another directory of the same name) would load nothing or stale weights."""
 
     def __init__(self, directory: str | Path | None):
         if directory is None:
@@ -70,15 +73,30 @@ class DiskTransport:
                 "the disk weight-sync transport needs a shared directory: pass --update-weight-dir"
             )
         self.directory = Path(directory)
+        self.token = ""
 
     def stage(self, buckets: Iterator[Bucket], rank: int) -> tuple[Iterator[Bucket], int]:
         if rank != 0:
             _drain(buckets)
             return iter(()), 0
-        return iter(()), write_hf_safetensors(buckets, self.directory)
+        nbytes = write_hf_safetensors(buckets, self.directory)
+        self.token = secrets.token_hex(8)
+        (self.directory / SYNC_TOKEN_FILE).write_text(self.token)
+        return iter(()), nbytes
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
         if engines is not None:
+            path = str(self.directory / SYNC_TOKEN_FILE)
+            seen = engines.run(lambda engine: engine.collective_rpc("read_sync_token", kwargs={"path": path}))
+            for url, tokens in zip(engines.urls, seen, strict=True):
+                if any(token != self.token for token in tokens or [None]):
+                    raise RuntimeError(
+                        f"--update-weight-transport disk: the engine at {url} does not see the weights the trainer "
+                        f"wrote to {self.directory} on {socket.gethostname()} (it reads {tokens} from "
+                        f"{SYNC_TOKEN_FILE}, not {self.token!r}): the directory (--update-weight-dir) must be on a "
+                        "filesystem shared by the trainer's node and every engine's node, or use "
+                        "--update-weight-transport distributed"
+                    )
             engines.run(lambda engine: engine.reload_weights(str(self.directory)))
         return 0
 
@@ -117,10 +135,11 @@ class DistributedTransport:
         """Build the group: rank 0 joins (in a thread: it blocks until every rank joins) while every engine's
         workers join through ``init_weight_update_group``."""
         address = _address_towards(urlparse(self.engine_urls[0]).hostname or "127.0.0.1")
-        port = free_port()
+        listener = listen_socket(address)  # the store listens on that address only
+        port = listener.getsockname()[1]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             join = pool.submit(
-                create_weight_group, address, port, 0, self.world_size, self.backend, self.timeout_s
+                create_weight_group, address, port, 0, self.world_size, self.backend, self.timeout_s, listener
             )
             engines.run(
                 [
