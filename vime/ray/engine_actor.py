@@ -34,9 +34,11 @@ class NodeEngine(VLLMEngine):
         """:meth:`start` (which returns the engine itself: nothing to send back from an actor)."""
         self.start()
 
-    def placement(self) -> dict:
-        """The node (Ray id and address), the actor's pid and the server's (its process guard's) pid."""
+    def where(self) -> dict:
+        """Its URL, node (Ray id and address), the actor's pid and the server's (its process guard's, the leader
+        of the server's process group)."""
         return {
+            "url": self.url,
             "node_id": ray.get_runtime_context().get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "actor_pid": os.getpid(),

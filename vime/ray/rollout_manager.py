@@ -18,6 +18,10 @@ class RayRolloutManager(RolloutManager):
         """Rollout ``rollout_id``, split for training groups of the given data-parallel sizes."""
         return make_batch(self.args, self.generate(rollout_id), dp_sizes)
 
+    def describe_engines(self) -> list[dict]:
+        """Where each engine runs (``NodeEngine.where``), in slot order."""
+        return ray.get([engine.actor.where.remote() for engine in self.engines])
+
 
 # Engines run on their bundles' nodes, each owned by its own actor (vime.ray.engine_actor).
 RolloutManagerActor = ray.remote(num_cpus=0)(RayRolloutManager)
@@ -45,4 +49,10 @@ def create_rollout_manager(
         args, log_dir, engine_extra_args, launcher
     )
     ray.get(manager.start.remote())
+    for slot, where in enumerate(ray.get(manager.describe_engines.remote())):
+        print(
+            f"[vime] engine {slot}: {where['url']} on node {where['node_id']} ({where['node_ip']}), server pid "
+            f"{where['server_pid']} (owned by actor pid {where['actor_pid']})",
+            flush=True,
+        )
     return manager
