@@ -21,6 +21,7 @@ from conftest import (
     RUN_MARKER_ENV,
     TEST_VLLM_FLAGS,
     marked_processes,
+    new_marker,
     read_metrics,
     wait_until_no_marked_processes,
 )
@@ -34,12 +35,12 @@ ENGINE_LINE = re.compile(
 
 
 @pytest.fixture
-def two_nodes(monkeypatch, tmp_path):
+def two_nodes(monkeypatch):
     """A head (2 CPUs) and a second node (1 CPU); their processes carry a marker (the nodes inherit this process's
     environment, and their workers the nodes')."""
     from ray.cluster_utils import Cluster
 
-    marker = f"two-nodes-{tmp_path.name}"
+    marker = new_marker("two-nodes")
     monkeypatch.setenv(RUN_MARKER_ENV, marker)
     for key, value in OFFLINE_ENV.items():
         monkeypatch.setenv(key, value)
