@@ -215,3 +215,16 @@ def test_disk_engines_reload_only_once_each_reads_the_trainers_token(tmp_path):
     ):
         disk.move(iter(()), elsewhere, rank=0)
     assert stale.reloaded == elsewhere.reloaded == []
+
+
+def test_an_engine_control_error_crosses_processes_as_itself():
+    """A sync that fails on an engine reaches the driver (through Ray) as EngineControlError, which
+    --use-fault-tolerance recognises; an exception it cannot unpickle would end the run."""
+    import pickle
+
+    from vime.backends.vllm_utils.control_client import EngineControlError
+
+    error = pickle.loads(pickle.dumps(EngineControlError("resume", "http://e1/resume", None, "refused")))
+    assert (
+        isinstance(error, EngineControlError) and error.url == "http://e1/resume" and "refused" in str(error)
+    )

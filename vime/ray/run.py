@@ -167,33 +167,34 @@ class Run:
         self.weight_version += 1
         sync_dir = self.args.update_weight_dir or str(self.log_dir / "weight_sync")  # the disk transport's
         ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
-        metrics = self._push_weights(sync_dir)
+        metrics, synced = self._push_weights(sync_dir)
         metrics |= self.offload_trainers()  # after the sync: it reads the actor's weights
         ray.get(self.manager.wake_up.remote(["kv_cache"]))
-        ray.get(self.manager.set_weight_version.remote(self.weight_version))
+        ray.get(self.manager.set_weight_version.remote(self.weight_version, synced))
         return {**metrics, "time/sync_s": time.monotonic() - started}
 
-    def _push_weights(self, sync_dir: str) -> dict[str, float]:
-        """The actor's weights to every engine; with ``--use-fault-tolerance`` dead engines are replaced first,
-        and a sync an engine died in is done again over the replaced set (once)."""
+    def _push_weights(self, sync_dir: str) -> tuple[dict[str, float], list[str]]:
+        """The actor's weights to every engine (metrics, and the engines that got them); with
+        ``--use-fault-tolerance`` dead engines are replaced first, and a sync an engine died in is done again over
+        the engines as they are then (the dead one replaced), once."""
+
+        def push() -> tuple[dict[str, float], list[str]]:
+            if self.args.use_fault_tolerance:
+                ray.get(self.manager.ensure_engines_healthy.remote())
+            urls = ray.get(self.manager.engine_urls.remote())
+            return self.actor.sync_weights(urls, self.weight_version, sync_dir), urls
+
         if not self.args.use_fault_tolerance:
-            return self.actor.sync_weights(
-                ray.get(self.manager.engine_urls.remote()), self.weight_version, sync_dir
-            )
-
-        def push() -> dict[str, float]:
-            ray.get(self.manager.ensure_engines_healthy.remote())
-            return self.actor.sync_weights(
-                ray.get(self.manager.engine_urls.remote()), self.weight_version, sync_dir
-            )
-
+            return push()
         try:
-            return push() | {"fault/sync_retries": 0.0}
+            metrics, urls = push()
+            return metrics | {"fault/sync_retries": 0.0}, urls
         except ray.exceptions.RayTaskError as e:
             if "EngineControlError" not in str(e):
                 raise
             print(f"[vime] weight sync {self.weight_version} lost an engine; replacing it and syncing again")
-        return push() | {"fault/sync_retries": 1.0}
+        metrics, urls = push()
+        return metrics | {"fault/sync_retries": 1.0}, urls
 
     def close(self) -> None:
         """Stop engines and router, close the tracker, leave Ray (its actors go with it)."""

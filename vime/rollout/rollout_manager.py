@@ -198,12 +198,13 @@ class RolloutManager:
                 engines.run(lambda engine: engine.wake_up(tags))
             self.sleeping -= set(tags)
 
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int, synced_urls: list[str] | None = None) -> None:
         """Record the policy version the engines now serve (stamped on every new sample); engines restarted by
-        ``--use-fault-tolerance`` received it too and rejoin the router."""
+        ``--use-fault-tolerance`` that received it (``synced_urls``: the engines the sync reached) rejoin the
+        router."""
         self.args.weight_version = version
         if self.monitor is not None:
-            self.monitor.admit_synced()
+            self.monitor.admit_synced(synced_urls)
 
     def save(self, rollout_id: int, save_dir: str | Path) -> None:
         """Save the data buffer's state as of the end of rollout ``rollout_id`` next to the trainer's checkpoint

@@ -74,10 +74,16 @@ class EngineMonitor:
             "fault/time_lost_s": self.time_lost_s,
         }
 
-    def admit_synced(self) -> None:
-        """After a weight sync reached every engine: the replacements rejoin the router."""
+    def admit_synced(self, synced_urls: list[str] | None = None) -> None:
+        """After a weight sync: the replacements it reached (``synced_urls``; None: every engine) rejoin the router.
+        One made while the sync ran (its engine died during it) waits for the next sync."""
         with self.lock:
-            slots, self.waiting_for_weights = sorted(self.waiting_for_weights), set()
+            slots = sorted(
+                i
+                for i in self.waiting_for_weights
+                if synced_urls is None or self.engines[i].url in synced_urls
+            )
+            self.waiting_for_weights -= set(slots)
             urls = [self.engines[i].url for i in slots]
         if urls:
             run(register_workers(self.router_url, urls))

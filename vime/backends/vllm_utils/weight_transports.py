@@ -41,6 +41,9 @@ class Transport(Protocol):
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int: ...
 
+    def close(self) -> None:
+        """Release what it holds across syncs (when the engine set changes)."""
+
 
 def _drain(buckets: Iterable[Bucket]) -> int:
     """Iterate the buckets (a rank that sends nothing still takes part in their gathers); their bytes."""
@@ -100,6 +103,9 @@ class DiskTransport:
             engines.run(lambda engine: engine.reload_weights(str(self.directory)))
         return 0
 
+    def close(self) -> None:
+        pass
+
 
 def _address_towards(host: str) -> str:
     """This machine's address on the route to ``host`` (what engine workers there can reach)."""
@@ -111,7 +117,8 @@ def _address_towards(host: str) -> str:
 class DistributedTransport:
     """``distributed``: rank 0's end of one weight group with every worker of every engine (engine ``i``'s workers
     are ranks ``1 + i * workers_per_engine + worker rank``), built at the first sync and reused. If a move fails
-    the group may be left mid-collective: it is dropped and the next sync builds a new one."""
+    (e.g. an engine died) the group may be left mid-collective: it is closed, which also frees the workers of the
+    live engines still waiting in it, and the next sync builds a new one."""
 
     def __init__(
         self,
@@ -191,9 +198,14 @@ class DistributedTransport:
                 if work is not None:
                     work.wait()
         except BaseException:
-            self.group = None  # possibly mid-collective: the next sync builds a new group
+            self.close()  # possibly mid-collective: the next sync builds a new group
             raise
         return nbytes
+
+    def close(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            group.close()
 
 
 class TensorTransport:
@@ -259,6 +271,9 @@ class TensorTransport:
             staging = handles = None
             torch.cuda.ipc_collect()
         return nbytes
+
+    def close(self) -> None:
+        pass
 
 
 class _PingPong:
