@@ -3,12 +3,13 @@
 A background thread checks every engine each ``--rollout-health-check-interval`` seconds (after
 ``--rollout-health-check-first-wait``): its process must be alive and ``GET /health`` must answer 200 within
 ``--rollout-health-check-timeout`` seconds, so a hung (e.g. SIGSTOPped) server counts as dead. A dead engine is
-taken out of the router at once, its process group is killed, and a new engine starts on the same GPUs (a new
-port). The new engine holds the initial weights, so it stays out of the router until the next weight sync has
-given it the current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests
-that were in flight on the dead one are sent again by the rollout (``vime.rollout.vllm_rollout``). An engine
-that dies more than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router that vime
-started and that dies is restarted on its address with every admitted engine.
+taken out of the router at once, stopped (its process group killed), and a new engine starts in the same slot
+(the same GPUs; on a cluster a new actor in the same bundle: an engine whose actor died counts as dead) on a new
+port. The new engine holds the initial weights, so it stays out of the router until a weight sync has given it the
+current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests that were in
+flight on the dead one are sent again by the rollout (``vime.rollout.vllm_rollout``). An engine that dies more
+than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router that vime started and that
+dies is restarted on its address with every admitted engine.
 """
 
 from __future__ import annotations
