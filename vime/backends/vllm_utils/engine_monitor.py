@@ -174,5 +174,6 @@ class EngineMonitor:
         with self.lock:
             self.engines[slot] = engine
             self.waiting_for_weights.add(slot)
+            self.args.rollout_engine_urls = [e.url for e in self.engines]  # where the rollout aborts requests
         self.time_lost_s += time.monotonic() - started
         logger.warning("engine %d restarted at %s; it rejoins after the next weight sync", slot, engine.url)
