@@ -46,9 +46,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: parent_died.set())
     if os.getppid() != parent:  # it died before the line above
         return 1
-    noted: dict[int, float] = {}
+    noted: dict[int, float] = {}  # pid -> start time, of every descendant seen and still alive
     me = os.getpid()
     while not parent_died.is_set():
+        noted = {pid: started for pid, started in noted.items() if _same(pid, started)}
         try:
             for proc in psutil.Process(parent).children(recursive=True):
                 if proc.pid != me:
@@ -59,13 +60,20 @@ def main(argv: list[str]) -> int:
             pass
         parent_died.wait(INTERVAL_S)
     for pid, started in noted.items():
-        try:
-            proc = psutil.Process(pid)
-            if proc.create_time() == started:  # not a new process that reuses the pid
-                proc.kill()
-        except psutil.Error:
-            pass
+        if _same(pid, started):
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
     return 0
+
+
+def _same(pid: int, started: float) -> bool:
+    """Whether process ``pid`` is alive and is the one that started at ``started`` (not a reuse of its pid)."""
+    try:
+        return psutil.Process(pid).create_time() == started
+    except psutil.Error:
+        return False
 
 
 if __name__ == "__main__":
