@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import json
 import os
 import time
@@ -140,6 +141,11 @@ def module_router_factory(tmp_path_factory, make_args) -> Iterator[Callable[...,
 RUN_MARKER_ENV = "VIME_TEST_RUN_MARKER"  # inherited by Ray, the engines and the router a run starts
 
 
+def new_marker(name: str) -> str:
+    """A run marker no other test session uses (several may run these tests on one machine at once)."""
+    return f"{name}-{os.getpid()}-{time.time_ns()}"
+
+
 def run_env(marker: str, **extra: str) -> dict[str, str]:
     """The environment of a test run: offline, tagged with ``marker`` so its processes can be found."""
     return {**os.environ, **OFFLINE_ENV, RUN_MARKER_ENV: marker, **extra}
@@ -163,6 +169,26 @@ def wait_until_no_marked_processes(marker: str, timeout: float = 30.0) -> list[s
     while (left := marked_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
+
+
+def non_loopback_listeners(marker: str) -> list[str]:
+    """``"address:port pid name"`` of every TCP socket listening on other than loopback (all interfaces included)
+    in a process whose environment carries ``marker``."""
+    pids = {}
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if proc.environ().get(RUN_MARKER_ENV) == marker:
+                pids[proc.pid] = proc.info["name"]
+        except psutil.Error:
+            pass
+    found = []
+    for conn in psutil.net_connections("tcp"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid not in pids:
+            continue
+        address = ipaddress.ip_address(conn.laddr.ip.split("%")[0])
+        if not (getattr(address, "ipv4_mapped", None) or address).is_loopback:
+            found.append(f"{conn.laddr.ip}:{conn.laddr.port} {conn.pid} {pids[conn.pid]}")
+    return found
 
 
 def read_metrics(log_dir: Path) -> list[dict]:

@@ -1,7 +1,9 @@
 """``--use-fault-tolerance`` end to end on CPU with two real vLLM engines behind the router: the API server of one
-engine is SIGKILLed (or SIGSTOPped: hung; or the router is SIGKILLed) in the middle of a rollout; the health monitor replaces it, the requests it had in flight are
-sent again, the replacement rejoins after the next weight sync with the current weights, and the run finishes
-with every prompt trained exactly once and no process left behind."""
+engine is SIGKILLed (or SIGSTOPped: hung; or the router is SIGKILLed) in the middle of a rollout, or an engine is
+SIGKILLed in the middle of a weight sync; the health monitor replaces it, the requests it had in flight are sent
+again, the replacement rejoins after the next weight sync with the current weights (after a sync it died in: that
+sync is done again, the replacement included), and the run finishes with every prompt trained exactly once and no
+process left behind."""
 
 from __future__ import annotations
 
@@ -18,9 +20,33 @@ import psutil
 import pytest
 from conftest import marked_processes, read_metrics, run_env, wait_until_no_marked_processes
 
+from vime.backends.vllm_utils.weight_sync import HOLD_ENV
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 4
+
+
+def _api_servers(marker: str) -> list[int]:
+    return [
+        int(line.split(" ", 1)[0])
+        for line in marked_processes(marker)
+        if "vllm.entrypoints.openai.api_server" in line and "process_guard" not in line
+    ]
+
+
+def _kill_in_sync(marker: str, hold_dir: Path, done: threading.Event, killed: list) -> None:
+    """Weight sync 2 (the one after rollout 0) waits once it has paused every engine (``HOLD_ENV``): SIGKILL one
+    engine's API server there, and let the sync go on once it is gone."""
+    while not done.is_set():
+        if (hold_dir / "paused_2").exists():
+            server = psutil.Process(_api_servers(marker)[0])
+            server.kill()
+            killed.append(server.pid)
+            server.wait(timeout=30)
+            break
+        time.sleep(0.05)
+    (hold_dir / "hold_2").unlink(missing_ok=True)
 
 
 def _signal_mid_rollout(
@@ -55,8 +81,9 @@ def _signal_mid_rollout(
         ("train.py", "engine", signal.SIGSTOP),
         ("train_async.py", "engine", signal.SIGKILL),
         ("train.py", "router", signal.SIGKILL),
+        ("train.py", "engine-in-sync", signal.SIGKILL),
     ],
-    ids=["engine-killed", "engine-hung", "engine-killed-async", "router-killed"],
+    ids=["engine-killed", "engine-hung", "engine-killed-async", "router-killed", "engine-killed-in-sync"],
 )
 def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
     tiny_model_dir, tmp_path, script, target, how
@@ -74,7 +101,15 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
         "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "160",
     ]  # fmt: skip
     done, killed = threading.Event(), []
-    killer = threading.Thread(target=_signal_mid_rollout, args=(marker, log_dir, done, killed, target, how))
+    hold_dir = tmp_path / "hold"
+    if target == "engine-in-sync":
+        hold_dir.mkdir()
+        (hold_dir / "hold_2").touch()
+        killer = threading.Thread(target=_kill_in_sync, args=(marker, hold_dir, done, killed))
+    else:
+        killer = threading.Thread(
+            target=_signal_mid_rollout, args=(marker, log_dir, done, killed, target, how)
+        )
     killer.start()
     try:
         result = subprocess.run(
@@ -83,7 +118,7 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
             text=True,
             timeout=840,
             cwd=tmp_path,
-            env=run_env(marker, PYTHONPATH=str(REPO)),
+            env=run_env(marker, PYTHONPATH=str(REPO), **{HOLD_ENV: str(hold_dir)}),
         )
     finally:
         done.set()
@@ -95,9 +130,11 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
     assert killed, f"no {target} process was found to signal"
     records = [r for r in read_metrics(log_dir) if "rollout/reward_mean" in r]
     assert [r["rollout_id"] for r in records] == list(range(NUM_ROLLOUT))
-    restarts = "fault/engine_restarts" if target == "engine" else "fault/router_restarts"
+    restarts = "fault/router_restarts" if target == "router" else "fault/engine_restarts"
     assert max(r[restarts] for r in records) == 1, records
-    assert any(p.name.endswith(".restart1.log") for p in log_dir.glob(f"{target}*.log"))
+    assert any(p.name.endswith(".restart1.log") for p in log_dir.glob(f"{target.split('-')[0]}*.log"))
+    if target == "engine-in-sync":  # the sync it died in (logged with rollout 0) was done again, once
+        assert [r["fault/sync_retries"] for r in records] == [1.0, 0.0, 0.0, 0.0], records
 
     # requests in flight on the killed engine were sent again: by vllm-router itself (it retries a request whose
     # worker connection broke) or by the rollout (fault/requeued_samples); either way none is lost or doubled
@@ -113,7 +150,7 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
     assert len(prompts) == len(set(prompts)) == 16 * NUM_ROLLOUT
 
     # a replaced engine served the last rollouts with the trained weights: log-probs agree with the trainer's
-    if target == "engine":
+    if target != "router":
         replacement = next(log_dir.glob("engine_*.restart1.log")).read_text(errors="replace")
         assert "POST /v1/completions" in replacement
     assert records[-1]["train/train_rollout_logprob_abs_diff"] < 1e-3, records[-1]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_env, wait_until_no_marked_processes
+from conftest import new_marker, read_metrics, run_env, wait_until_no_marked_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def _quickstart_argv(model_dir: Path, run_dir: Path, num_rollout: int) -> list[s
 
 @pytest.mark.parametrize("script", ["train.py", "train_async.py"])
 def test_quickstart_config_reward_rises_above_0_8(script, tiny_model_dir, tmp_path):
-    marker = f"learns-{script}-{tmp_path.name}"
+    marker = new_marker(f"learns-{script}")
     num_rollout = NUM_ROLLOUT[script]
     argv = [sys.executable, str(REPO / script), *_quickstart_argv(tiny_model_dir, tmp_path, num_rollout)]
     result = subprocess.run(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import RUN_MARKER_ENV, TEST_VLLM_FLAGS, marked_processes, read_metrics, run_env
+from conftest import RUN_MARKER_ENV, TEST_VLLM_FLAGS, marked_processes, new_marker, read_metrics, run_env
 
 from vime.utils.misc import free_port
 
@@ -36,7 +36,7 @@ def _run_processes(marker: str) -> list[str]:
 
 
 def test_train_on_an_existing_ray_cluster(tiny_model_dir, tmp_path):
-    marker = f"cluster-{tmp_path.name}"
+    marker = new_marker("cluster")
     port = free_port()
     temp_dir = Path(f"/tmp/vime-ray-{port}")  # short: Ray's socket paths must stay under ~107 characters
     env = run_env(marker)

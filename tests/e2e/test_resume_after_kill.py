@@ -1,5 +1,6 @@
-"""SIGKILL ``train.py`` after a checkpoint: every process of the run goes with it, and ``--load`` resumes at the
-next rollout id with the same data order and no prompt duplicated or skipped."""
+"""SIGKILL ``train.py`` after a checkpoint: every process of the run goes with it (its own local Ray instance too),
+and ``--load`` resumes at the next rollout id with the same data order and no prompt duplicated or skipped. While it
+runs, none of its processes (Ray's, the driver, the trainer's stores, engines, router) listens beyond loopback."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TEST_VLLM_FLAGS, read_metrics, run_env, wait_until_no_marked_processes
+from conftest import (
+    TEST_VLLM_FLAGS,
+    new_marker,
+    non_loopback_listeners,
+    read_metrics,
+    run_env,
+    wait_until_no_marked_processes,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +64,7 @@ def _prompt_indices(run_dir: Path) -> dict[int, list[int]]:
 
 
 def test_sigkill_after_save_then_load_resumes_with_the_same_prompts(tiny_model_dir, tmp_path):
-    killed_marker, resumed_marker = f"killed-{tmp_path.name}", f"resumed-{tmp_path.name}"
+    killed_marker, resumed_marker = new_marker("killed"), new_marker("resumed")
     with open(tmp_path / "killed.log", "w") as log:
         killed = subprocess.Popen(
             _argv(tiny_model_dir, tmp_path, "killed"), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
@@ -67,11 +75,14 @@ def test_sigkill_after_save_then_load_resumes_with_the_same_prompts(tiny_model_d
         while not _logged_rollout_3(tmp_path / "killed") and killed.poll() is None:
             assert time.monotonic() < deadline, "rollout 3 never came"
             time.sleep(0.2)
+        exposed = non_loopback_listeners(killed_marker)
         killed.kill()
         killed.wait()
     assert killed.returncode == -9, (tmp_path / "killed.log").read_text()[-3000:]
+    assert exposed == [], "a local run listens beyond loopback"
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert wait_until_no_marked_processes(killed_marker, timeout=60) == [], "the killed run left processes"
+    # Ray's own agents would outlive a SIGKILLed driver by a minute without vime.utils.reaper
+    assert wait_until_no_marked_processes(killed_marker, timeout=20) == [], "the killed run left processes"
 
     resumed = subprocess.run(
         _argv(tiny_model_dir, tmp_path, "resumed"), capture_output=True, text=True, timeout=600, cwd=tmp_path,

@@ -81,3 +81,14 @@ def test_an_engine_that_keeps_dying_stops_the_run_with_its_log(router):
     made[0].alive = False
     with pytest.raises(RuntimeError, match=r"(?s)engine 0 died 2 times .*last words of new0.0"):
         monitor.ensure_healthy()
+
+
+def test_a_replacement_the_sync_did_not_reach_waits_for_the_next(router):
+    """An engine replaced while a sync ran (it died during it) has the old weights: only synced ones rejoin."""
+    engines = [FakeEngine("e0", alive=False), FakeEngine("e1", alive=False)]
+    monitor, made = _monitor(engines)
+    monitor.ensure_healthy()
+    monitor.admit_synced(["e0", made[1].url])  # the sync saw e0's old URL and e1's replacement
+    assert router[-1] == ("add", made[1].url) and monitor.waiting_for_weights == {0}
+    monitor.admit_synced([made[0].url, made[1].url])
+    assert router[-1] == ("add", made[0].url) and monitor.waiting_for_weights == set()

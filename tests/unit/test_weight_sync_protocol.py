@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import vime.backends.vllm_utils.weight_sync as weight_sync
 from vime.backends.vllm_utils.weight_transports import _PingPong, write_hf_safetensors
+from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE
 from vime.utils.weight_buckets import (
     bucket_layout,
     flatten_bucket,
@@ -180,27 +181,99 @@ def post_write_hook(args, version_dir, rollout_engines):
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_disk_sync_writes_a_directory_per_version_runs_the_hook_and_cleans_up(
-    engines, tmp_path, keep, monkeypatch
-):
+def test_disk_sync_writes_a_directory_per_version_runs_the_hook_and_cleans_up(tmp_path, keep, monkeypatch):
     from types import SimpleNamespace
+
+    reloaded = []
+
+    class DiskEngines(RecordingEngines):
+        """Engines on the trainer's node: they read the sync token and record what each reload found."""
+
+        def run(self, call):
+            return [call(self)]
+
+        def collective_rpc(self, method, kwargs):
+            return [Path(kwargs["path"]).read_text()]
+
+        def reload_weights(self, path):
+            reloaded.append((path, sorted(os.listdir(path))))
+
+    monkeypatch.setattr(weight_sync, "EngineGroup", DiskEngines)
 
     SEEN_BY_HOOK.clear()
     args = SimpleNamespace(update_weight_transport="disk", rollout_num_gpus_per_engine=1, update_weight_dir=None,
                            update_weight_disk_keep_files=keep, marker="mine",
                            custom_update_weight_post_write_path=f"{__name__}.post_write_hook")  # fmt: skip
-    reloaded = []
-    monkeypatch.setattr(
-        engines,
-        "reload_weights",
-        lambda self, path: reloaded.append((path, sorted(os.listdir(path)))),
-        raising=False,
-    )
     transport = weight_sync.make_transport(args, ["http://e0"], tmp_path / f"w{keep}", rank=0)
     for version in (1, 2):
         weight_sync.sync_weights(["http://e0"], _buckets(), transport, version)
     dirs = [str(tmp_path / f"w{keep}" / f"v{v:07d}") for v in (1, 2)]
-    files = ["model-00000.safetensors", "model-00001.safetensors"]
+    files = ["model-00000.safetensors", "model-00001.safetensors", SYNC_TOKEN_FILE]
     assert SEEN_BY_HOOK == [("mine", d, files, ["http://e0"]) for d in dirs]  # written before the hook ran
     assert reloaded == [(d, files) for d in dirs]  # the engines read each version's own directory
     assert [Path(d).is_dir() for d in dirs] == [keep, keep]  # deleted once loaded unless kept
+
+
+class TokenReadingEngines:
+    """Engines that read the disk transport's token file from their own node: ``views[i]`` maps the trainer's path
+    to what engine ``i`` finds there (None: the directory is not on its node)."""
+
+    def __init__(self, views):
+        self.urls = [f"http://e{i}" for i in range(len(views))]
+        self.views, self.reloaded = views, []
+
+    def run(self, call):
+        return [call(_TokenClient(self, i)) for i in range(len(self.urls))]
+
+
+class _TokenClient:
+    def __init__(self, group, i):
+        self.group, self.i = group, i
+
+    def collective_rpc(self, method, kwargs):
+        assert method == "read_sync_token"
+        view = self.group.views[self.i]
+        return [view(kwargs["path"]) if view else None]
+
+    def reload_weights(self, path):
+        self.group.reloaded.append((self.i, path))
+
+
+def test_disk_engines_reload_only_once_each_reads_the_trainers_token(tmp_path):
+    from pathlib import Path
+
+    from vime.backends.vllm_utils.weight_transports import DiskTransport
+
+    disk = DiskTransport(tmp_path / "w", keep_files=True)
+    disk.stage(_buckets(), 0, 1)
+    shared = TokenReadingEngines([lambda path: Path(path).read_text()] * 2)
+    assert disk.move(iter(()), shared, rank=0) == 0
+    assert shared.reloaded == [(0, str(tmp_path / "w" / "v0000001")), (1, str(tmp_path / "w" / "v0000001"))]
+
+    disk.stage(
+        _buckets(), 0, 2
+    )  # a new token per sync: an engine reading last sync's directory is caught too
+    stale = TokenReadingEngines([lambda path: Path(path).read_text(), lambda path: "an old token"])
+    with pytest.raises(
+        RuntimeError, match=r"engine at http://e1 does not see the weights .* shared by the trainer"
+    ):
+        disk.move(iter(()), stale, rank=0)
+    elsewhere = TokenReadingEngines([lambda path: Path(path).read_text(), None])
+    with pytest.raises(
+        RuntimeError, match=r"http://e1 .*reads \[None\].*--update-weight-transport distributed"
+    ):
+        disk.move(iter(()), elsewhere, rank=0)
+    assert stale.reloaded == elsewhere.reloaded == []
+
+
+def test_an_engine_control_error_crosses_processes_as_itself():
+    """A sync that fails on an engine reaches the driver (through Ray) as EngineControlError, which
+    --use-fault-tolerance recognises; an exception it cannot unpickle would end the run."""
+    import pickle
+
+    from vime.backends.vllm_utils.control_client import EngineControlError
+
+    error = pickle.loads(pickle.dumps(EngineControlError("resume", "http://e1/resume", None, "refused")))
+    assert (
+        isinstance(error, EngineControlError) and error.url == "http://e1/resume" and "refused" in str(error)
+    )

@@ -6,10 +6,13 @@ bundles come first and the rollout's after them, in one placement group.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 PLACEMENT_TIMEOUT_S = 600
 
@@ -66,3 +69,82 @@ def create_placement_groups(args) -> dict[str, Bundles]:
     if args.colocate:
         result["rollout"] = Bundles(group, result["actor"].indices[: args.rollout_num_gpus], resource)
     return result
+
+
+class BundleSlot(NamedTuple):
+    """Where one bundle is: its Ray node (id and address) and, on GPU clusters, its GPU id."""
+
+    node_id: str
+    node_ip: str
+    gpu: str | None
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """Where one engine runs: a bundle of the placement group (the first of its bundles when it has several GPUs),
+    that bundle's node, and the engine's GPUs (``CUDA_VISIBLE_DEVICES``; None on CPU)."""
+
+    group: PlacementGroup
+    bundle_index: int
+    node_id: str
+    node_ip: str
+    gpus: str | None = None
+
+
+def here(with_gpu: bool) -> BundleSlot:
+    """The slot of the calling Ray task or actor."""
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "") if with_gpu else None
+    return BundleSlot(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), gpu)
+
+
+@ray.remote(num_cpus=0)
+def _bundle_slot(with_gpu: bool) -> BundleSlot:
+    return here(with_gpu)
+
+
+def bundle_slots(bundles: Bundles) -> list[BundleSlot]:
+    """The slot of each of ``bundles`` (free ones: a GPU bundle is asked through a short task holding its GPU)."""
+    on_gpu = bundles.resource == "GPU"
+    return ray.get(
+        [
+            _bundle_slot.options(
+                num_gpus=1 if on_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=bundles.group, placement_group_bundle_index=index
+                ),
+            ).remote(on_gpu)
+            for index in bundles.indices
+        ]
+    )
+
+
+def engine_placements(
+    args, bundles: Bundles, slots: list[BundleSlot], keep_order: bool = False
+) -> list[EnginePlacement]:
+    """One placement per engine: ``--rollout-num-gpus-per-engine`` bundles on one node. Bundles are grouped by node
+    (and GPU id) first, unless ``keep_order`` (colocated engines: engine ``i``'s GPUs must be those of training
+    ranks ``i * per_engine ...``). An engine whose bundles would span nodes is refused."""
+    per_engine = args.rollout_num_gpus_per_engine
+    order = list(range(len(slots)))
+    if not keep_order:
+        order.sort(key=lambda i: (slots[i].node_id, _gpu_order(slots[i].gpu)))
+    placements = []
+    for start in range(0, len(order), per_engine):
+        chunk = [slots[i] for i in order[start : start + per_engine]]
+        nodes = sorted({slot.node_ip + " (" + slot.node_id[:8] + ")" for slot in chunk})
+        if len(nodes) > 1:
+            raise ValueError(
+                f"engine {start // per_engine} would span Ray nodes {', '.join(nodes)}: an engine's "
+                f"--rollout-num-gpus-per-engine {per_engine} GPUs must be on one node. Give each node a multiple "
+                f"of {per_engine} rollout GPUs (--rollout-num-gpus, --actor-num-gpus-per-node)"
+            )
+        gpus = ",".join(slot.gpu for slot in chunk) if chunk[0].gpu is not None else None
+        first = order[start]
+        placements.append(
+            EnginePlacement(bundles.group, bundles.indices[first], chunk[0].node_id, chunk[0].node_ip, gpus)
+        )
+    return placements
+
+
+def _gpu_order(gpu: str | None) -> tuple[int, str]:
+    return (int(gpu), "") if gpu is not None and gpu.isdigit() else (0, gpu or "")

@@ -10,14 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray._private import ray_constants
 
 from vime.backends.vllm_utils import control_auth
-from vime.ray.placement_group import create_placement_groups, num_bundles
+from vime.ray.placement_group import bundle_slots, create_placement_groups, num_bundles
 from vime.ray.rollout_batch import RolloutBatch
-from vime.ray.rollout_manager import bundle_gpus, create_rollout_manager
+from vime.ray.rollout_manager import create_rollout_manager
 from vime.ray.train_group import RayTrainGroup
 from vime.utils import weight_check
 from vime.utils.arg_validation import check_run_paths
+from vime.utils.reaper import start_reaper
 from vime.utils.tracking import Tracker
 
 WORKER_EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
@@ -35,6 +37,9 @@ def init_ray(args: argparse.Namespace) -> None:
     previous ``ray start`` left registered in /tmp/ray). Locally, CPU bundles may outnumber the cores: the
     engines and ranks then share them, which is what a CPU run does anyway.
 
+    A local instance is the run's own: it listens on loopback only (so do the engines and training stores, which
+    use Ray's node address) and dies with the driver, even a SIGKILLed one (:mod:`vime.utils.reaper`).
+
     ``ray start`` (Ray 2.60) turns on token authentication; a driver given an explicit address sends the token
     only with ``RAY_AUTH_MODE=token`` in its environment (Ray reads it at import, so it cannot be set here)."""
     runtime_env = {
@@ -42,13 +47,18 @@ def init_ray(args: argparse.Namespace) -> None:
     }  # engines' control secret
     if address := os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
-    else:
-        ray.init(
-            address="local",
-            num_cpus=max(os.cpu_count() or 1, num_bundles(args)),
-            log_to_driver=False,
-            runtime_env=runtime_env,
-        )
+        return
+    # Ray takes the machine's outward address as the node's, and binds its servers to every interface, unless
+    # that address is loopback, which it gives only where it runs without clusters (its Windows/macOS switch).
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, num_bundles(args)),
+        log_to_driver=False,
+        include_dashboard=False,
+        runtime_env=runtime_env,
+    )
+    start_reaper()
 
 
 @dataclass
@@ -166,7 +176,7 @@ class Run:
         sync_dir = self.args.update_weight_dir or str(self.log_dir / "weight_sync")  # the disk transport's
         ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
         ray.get(self.manager.before_weight_update.remote())  # until set_weight_version
-        metrics = self._push_weights(sync_dir)
+        metrics, synced = self._push_weights(sync_dir)
         if self.args.check_weight_update_equal:  # the trainer's side, before its weights leave the GPU
             tokens = weight_check.check_tokens(self.args.hf_checkpoint)
             expected = self.actor.sequence_log_probs(tokens)
@@ -178,30 +188,31 @@ class Run:
             metrics["weight_sync/check_abs_diff"] = weight_check.compare(
                 expected, scores, tol, self.weight_version
             )
-        ray.get(self.manager.set_weight_version.remote(self.weight_version))
+        ray.get(self.manager.set_weight_version.remote(self.weight_version, synced))
         return {**metrics, "time/sync_s": time.monotonic() - started}
 
-    def _push_weights(self, sync_dir: str) -> dict[str, float]:
-        """The actor's weights to every engine; with ``--use-fault-tolerance`` dead engines are replaced first,
-        and a sync an engine died in is done again over the replaced set (once)."""
+    def _push_weights(self, sync_dir: str) -> tuple[dict[str, float], list[str]]:
+        """The actor's weights to every engine (metrics, and the engines that got them); with
+        ``--use-fault-tolerance`` dead engines are replaced first, and a sync an engine died in is done again over
+        the engines as they are then (the dead one replaced), once."""
+
+        def push() -> tuple[dict[str, float], list[str]]:
+            if self.args.use_fault_tolerance:
+                ray.get(self.manager.ensure_engines_healthy.remote())
+            urls = ray.get(self.manager.engine_urls.remote())
+            return self.actor.sync_weights(urls, self.weight_version, sync_dir), urls
+
         if not self.args.use_fault_tolerance:
-            return self.actor.sync_weights(
-                ray.get(self.manager.engine_urls.remote()), self.weight_version, sync_dir
-            )
-
-        def push() -> dict[str, float]:
-            ray.get(self.manager.ensure_engines_healthy.remote())
-            return self.actor.sync_weights(
-                ray.get(self.manager.engine_urls.remote()), self.weight_version, sync_dir
-            )
-
+            return push()
         try:
-            return push() | {"fault/sync_retries": 0.0}
+            metrics, urls = push()
+            return metrics | {"fault/sync_retries": 0.0}, urls
         except ray.exceptions.RayTaskError as e:
             if "EngineControlError" not in str(e):
                 raise
             print(f"[vime] weight sync {self.weight_version} lost an engine; replacing it and syncing again")
-        return push() | {"fault/sync_retries": 1.0}
+        metrics, urls = push()
+        return metrics | {"fault/sync_retries": 1.0}, urls
 
     def close(self) -> None:
         """Stop engines and router, close the tracker, leave Ray (its actors go with it)."""
@@ -239,10 +250,11 @@ def start_run(args: argparse.Namespace) -> Run:
             for group in (actor, critic):
                 if group is not None:
                     group.offload()  # the engines find the GPU memory free when they start
-        gpus = None
-        if pgs["rollout"].resource == "GPU" and not args.debug_train_only:
-            gpus = actor.gpus()[: args.rollout_num_gpus] if args.colocate else bundle_gpus(pgs["rollout"])
-        manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION, gpus)
+        slots = []  # the rollout bundles' nodes and GPUs (a colocated engine shares its training rank's)
+        if not args.debug_train_only:
+            colocated = args.colocate and actor is not None
+            slots = actor.slots()[: args.rollout_num_gpus] if colocated else bundle_slots(pgs["rollout"])
+        manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION, slots)
         if args.offload_train:
             if args.offload_rollout and not args.debug_train_only:
                 ray.get(manager.sleep.remote())  # the first weight sync wakes them

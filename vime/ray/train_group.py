@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from vime.ray.placement_group import Bundles
+from vime.ray.placement_group import Bundles, BundleSlot, here
 from vime.ray.rollout_batch import RolloutBatch, TrainPartition, regroup
-from vime.utils.misc import free_port
+from vime.utils.net import interface_of, listen_socket
 from vime.utils.types import Sample, Status
 
 PerSample = list[torch.Tensor]  # one per-token tensor per sample
@@ -18,26 +19,40 @@ PerSample = list[torch.Tensor]  # one per-token tensor per sample
 
 @ray.remote
 class TrainRayActor:
-    """One training rank: joins the training process group and owns a backend trainer."""
+    """One training rank: joins the training process group (:meth:`setup`) and owns a backend trainer."""
 
-    def __init__(self, args, role: str, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(self, args, role: str, rank: int, world_size: int):
+        self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
+        self._listener: socket.socket | None = None
+
+    def master_address(self) -> tuple[str, int]:
+        """Rank 0: this node's address and a port bound there for the training group's store (kept for
+        :meth:`setup`, so no other process can take it meanwhile)."""
+        self._listener = listen_socket(ray.util.get_node_ip_address())
+        return self._listener.getsockname()[:2]
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the training process group at rank 0's address, then build the trainer."""
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
         )  # fmt: skip
+        # gloo listens on the interface of its host name unless told; use the one Ray's node address is on
+        if interface := interface_of(ray.util.get_node_ip_address()):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         from vime.utils.distributed import init_distributed
 
-        init_distributed()
-        if args.train_backend == "megatron":
+        init_distributed(listener=self._listener)
+        self._listener = None
+        if self.args.train_backend == "megatron":
             from vime.backends.megatron_utils.trainer import MegatronTrainer as Trainer
         else:
             from vime.backends.fsdp_utils.trainer import FSDPTrainer as Trainer
-        self.args, self.rank = args, rank
-        self.trainer = Trainer(args, role=role)
+        self.trainer = Trainer(self.args, role=self.role)
 
-    def gpu(self) -> tuple[str, str]:
-        """(node id, CUDA_VISIBLE_DEVICES) of this rank: a colocated engine shares its GPU."""
-        return ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    def slot(self) -> BundleSlot:
+        """Where this rank runs (node, GPU): a colocated engine shares its GPU."""
+        return here(with_gpu=True)
 
     def data_parallel_rank(self) -> tuple[int, int]:
         """(rank, size) of this rank's data-parallel group: ranks with the same DP rank (tensor/pipeline/expert
@@ -94,7 +109,6 @@ class RayTrainGroup:
     def __init__(self, args, bundles: Bundles, role: str = "actor"):
         self.args = args
         world_size = len(bundles.indices)
-        master_addr, master_port = ray.util.get_node_ip_address(), free_port()
         # expandable segments: packed micro-batches of varying sizes otherwise fragment the caching allocator
         allocator_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.actors = [
@@ -108,15 +122,17 @@ class RayTrainGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=bundles.group, placement_group_bundle_index=index
                 ),
-            ).remote(args, role, rank, world_size, master_addr, master_port)
+            ).remote(args, role, rank, world_size)
             for rank, index in enumerate(bundles.indices)
         ]
+        master_addr, master_port = ray.get(self.actors[0].master_address.remote())  # rank 0's node
+        ray.get([actor.setup.remote(master_addr, master_port) for actor in self.actors])
         dp = ray.get([actor.data_parallel_rank.remote() for actor in self.actors])
         self.dp_ranks, self.dp_size = [rank for rank, _ in dp], dp[0][1]
 
-    def gpus(self) -> list[tuple[str, str]]:
-        """(node id, GPU id) of every rank, in rank order."""
-        return ray.get([actor.gpu.remote() for actor in self.actors])
+    def slots(self) -> list[BundleSlot]:
+        """Node and GPU of every rank, in rank order."""
+        return ray.get([actor.slot.remote() for actor in self.actors])
 
     def load(self) -> int | None:
         """Load every rank; returns the last saved rollout id (None for a fresh start)."""

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import json
 import logging
 import random
@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from vime.backends.vllm_utils.control_client import EngineGroup
-from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.backends.vllm_utils.engine_fleet import EngineHandle, EngineLauncher, LocalEngines
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
 from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
 from vime.backends.vllm_utils.router import connect_router, register_workers
@@ -40,11 +40,11 @@ class RolloutManager:
         args,
         log_dir: str | Path,
         engine_extra_args: list[str] | None = None,
-        engine_gpus: list[str] | None = None,
+        launcher: EngineLauncher | None = None,
     ):
-        """``engine_gpus``: one ``CUDA_VISIBLE_DEVICES`` value per engine (GPU runs; None: inherit, e.g. CPU)."""
+        """``launcher`` makes each engine (default: subprocesses of this process, :class:`LocalEngines`)."""
         self.args = args
-        self.engine_gpus = engine_gpus
+        self.launcher = launcher or LocalEngines()
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engine_extra_args = list(engine_extra_args or [])
@@ -62,7 +62,7 @@ class RolloutManager:
             args.eval_function_path or args.rollout_function_path,
             "--eval-function-path" if args.eval_function_path else "--rollout-function-path",
         )
-        self.engines: list[VLLMEngine] = []
+        self.engines: list[EngineHandle] = []
         self.monitor: EngineMonitor | None = None  # --use-fault-tolerance
         self.router = None
         self.sleeping: set[str] = set()  # what the engines have freed (--offload-rollout)
@@ -80,16 +80,17 @@ class RolloutManager:
         ``--debug-train-only``."""
         if self.args.load_debug_rollout_data or self.args.debug_train_only:
             return
-        if self.engine_gpus is not None and len(self.engine_gpus) != self.num_engines:
-            raise ValueError(f"{len(self.engine_gpus)} GPU sets for {self.num_engines} engines")
+        slots = self.launcher.num_slots
+        if slots is not None and slots != self.num_engines:
+            raise ValueError(f"{slots} engine placements for {self.num_engines} engines")
         extra_args = list(self.engine_extra_args)
-        on_gpu = bool(self.engine_gpus) or torch.cuda.is_available()
+        on_gpu = self.launcher.on_gpu or torch.cuda.is_available()
         self._engine_env: dict[str, str] = {}
         if self.args.use_rollout_routing_replay:  # the engines return the experts they route each token to
             flags, self._engine_env = routed_experts_engine_options(on_gpu)
             extra_args += flags
         if self.args.offload_rollout:
-            if not self.engine_gpus:
+            if not self.launcher.on_gpu:
                 raise ValueError(
                     "--offload-rollout (implied by --colocate) needs GPU engines: vLLM's sleep mode is CUDA-only"
                 )
@@ -99,7 +100,8 @@ class RolloutManager:
         try:
             for engine in self.engines:
                 engine.start()
-            run(_wait_all(self.engines, self.args.engine_start_timeout))
+            for engine in self.engines:  # they start together; the waits overlap
+                engine.wait_ready_sync(self.args.engine_start_timeout)
             router_url, self.router = connect_router(self.args, log_path=self.log_dir / "router.log")
             run(register_workers(router_url, [engine.url for engine in self.engines]))
         except BaseException:
@@ -118,16 +120,12 @@ class RolloutManager:
         self.args.rollout_sample_seeds = on_gpu
         logger.info("%d vLLM engine(s) ready behind %s", len(self.engines), router_url)
 
-    def _make_engine(self, slot: int) -> VLLMEngine:
+    def _make_engine(self, slot: int) -> EngineHandle:
         """The engine of ``slot`` (a replacement logs to its own file: the dead one's log stays)."""
         restarts = self.monitor.restarts[slot] if self.monitor is not None else 0
         name = f"engine_{slot}.log" if not restarts else f"engine_{slot}.restart{restarts}.log"
-        return VLLMEngine(
-            self.args,
-            log_path=self.log_dir / name,
-            extra_args=self._engine_extra_args,
-            env=self._engine_env
-            | ({"CUDA_VISIBLE_DEVICES": self.engine_gpus[slot]} if self.engine_gpus else {}),
+        return self.launcher.launch(
+            self.args, slot, self.log_dir / name, self._engine_extra_args, env=self._engine_env
         )
 
     def generate(self, rollout_id: int, train_version: int | None = None) -> RolloutFnTrainOutput:
@@ -237,12 +235,13 @@ class RolloutManager:
         if self.data_source is not None:
             fully_async_rollout.before_weight_update(self.data_source)
 
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int, synced_urls: list[str] | None = None) -> None:
         """Record the policy version the engines now serve (stamped on every new sample); engines restarted by
-        ``--use-fault-tolerance`` received it too and rejoin the router; a fully-async worker goes on."""
+        ``--use-fault-tolerance`` that received it (``synced_urls``: the engines the sync reached) rejoin the
+        router; a fully-async worker goes on."""
         self.args.weight_version = version
         if self.monitor is not None:
-            self.monitor.admit_synced()
+            self.monitor.admit_synced(synced_urls)
         if self.data_source is not None:
             fully_async_rollout.after_weight_update(self.data_source)
 
@@ -282,13 +281,10 @@ class RolloutManager:
         if self.router is not None:
             self.router.stop()
             self.router = None
-        for engine in self.engines:
-            engine.stop()
+        # all at once: each may wait out its grace time
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines))) as pool:
+            list(pool.map(lambda engine: engine.stop(), self.engines))
         self.engines = []
-
-
-async def _wait_all(engines: list[VLLMEngine], timeout: float) -> None:
-    await asyncio.gather(*(engine.wait_ready(timeout) for engine in engines))
 
 
 def save_rollout_data(path: str | Path, rollout_id: int, output: RolloutFnTrainOutput) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from vime.backends.vllm_utils.control_client import EngineControlClient
+from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
 from vime.backends.vllm_utils.routed_experts import apply_choice_routing
 from vime.rollout.rm_hub import reward_samples
 from vime.utils import http_utils
@@ -48,8 +48,8 @@ class RolloutContext:
             raise RolloutError(
                 "no router address: the rollout manager sets --vllm-router-ip/--vllm-router-port"
             )
+        self.args = args
         self.router_url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
-        self.engine_urls = list(getattr(args, "rollout_engine_urls", None) or [])
         concurrency = args.rollout_concurrency * max(1, len(self.engine_urls))
         self.semaphore = asyncio.Semaphore(concurrency)
         connector = aiohttp.TCPConnector(limit=concurrency)
@@ -83,12 +83,30 @@ class RolloutContext:
                 f"lost the router at {self.router_url} ({type(exc).__name__}: {exc}); is vllm-router running?"
             ) from exc
 
+    @property
+    def engine_urls(self) -> list[str]:
+        """The engines now (``--use-fault-tolerance`` replaces dead ones, on new ports)."""
+        return list(getattr(self.args, "rollout_engine_urls", None) or [])
+
     async def abort_all(self) -> None:
-        """Abort every in-flight request on every engine (``/pause?mode=abort``), then resume them."""
+        """Abort every in-flight request on every engine (``/pause?mode=abort``), then resume them. With
+        ``--use-fault-tolerance`` an engine that does not answer is skipped: dead, it has nothing left to abort (its
+        requests come back through the retry path)."""
         clients = [EngineControlClient(url) for url in self.engine_urls]
+        live = clients
         try:
-            await asyncio.gather(*(client.pause(mode="abort") for client in clients))
-            await asyncio.gather(*(client.resume() for client in clients))
+            for call in (lambda client: client.pause(mode="abort"), lambda client: client.resume()):
+                results = await asyncio.gather(*(call(client) for client in live), return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException) and not (
+                        self.retry_window_s and isinstance(result, EngineControlError)
+                    ):
+                        raise result
+                live = [
+                    c
+                    for c, result in zip(live, results, strict=True)
+                    if not isinstance(result, BaseException)
+                ]
         finally:
             await asyncio.gather(*(client.close() for client in clients))
 

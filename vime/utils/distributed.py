@@ -7,12 +7,14 @@ runs share one code path (STYLE.md).
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from vime.utils.misc import free_port
+from vime.utils.net import listen_socket
 
 
 def backend() -> str:
@@ -29,13 +31,17 @@ def device() -> torch.device:
     )
 
 
-def init_distributed(timeout_minutes: int = 10, requested_backend: str | None = None) -> None:
+def init_distributed(
+    timeout_minutes: int = 10, requested_backend: str | None = None, listener: socket.socket | None = None
+) -> None:
     """Initialise the default process group from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``.
 
     Does nothing when a group already exists. Without ``WORLD_SIZE`` in the environment this is a
-    single-process group on a free local port, so a trainer also runs in a notebook or a unit test. With CUDA,
+    single-process group on a free loopback port, so a trainer also runs in a notebook or a unit test. With CUDA,
     the rank's device is ``LOCAL_RANK`` (default: rank modulo the visible GPUs). ``requested_backend``
-    (``--distributed-backend``) must be the one this machine gets, or ``ValueError`` says why.
+    (``--distributed-backend``) must be the one this machine gets, or ``ValueError`` says why. Rank 0 hosts the
+    group's store on ``listener`` when given (a socket bound to ``MASTER_ADDR`` only: torch's own store would
+    listen on every interface); under torchrun the launcher's store is used.
     """
     if requested_backend is not None and requested_backend != backend():
         raise ValueError(
@@ -51,18 +57,33 @@ def init_distributed(timeout_minutes: int = 10, requested_backend: str | None = 
             f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun or set them"
         )
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = os.environ.get("MASTER_PORT") or str(free_port())
+    if listener is None and world_size == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        listener = listen_socket(addr)
+    port = str(listener.getsockname()[1]) if listener else os.environ.get("MASTER_PORT") or str(free_port())
     device_id = None
     if torch.cuda.is_available():
         device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         torch.cuda.set_device(device_id)
+    timeout = timedelta(minutes=timeout_minutes)
+    # rank 0 with a listener hosts the store on it; the other ranks (and torchrun's) connect to MASTER_ADDR
+    where = (
+        {"store": tcp_store(addr, int(port), world_size, timeout, listener)}
+        if listener is not None and rank == 0
+        else {"init_method": f"tcp://{addr}:{port}"}
+    )
     dist.init_process_group(
-        backend(),
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(minutes=timeout_minutes),
-        device_id=device_id,
+        backend(), rank=rank, world_size=world_size, timeout=timeout, device_id=device_id, **where
+    )
+
+
+def tcp_store(
+    host: str, port: int, world_size: int, timeout: timedelta, listener: socket.socket | None = None
+) -> dist.TCPStore:
+    """A ``TCPStore`` server (rank 0's side) on ``host:port`` only, or on ``listener`` (already bound there): torch
+    would bind every interface. It takes the socket over."""
+    fd = (listener or listen_socket(host, port)).detach()
+    return dist.TCPStore(
+        host, port, world_size, True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
     )
 
 

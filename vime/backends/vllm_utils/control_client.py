@@ -30,6 +30,10 @@ class EngineControlError(RuntimeError):
         status_text = f"HTTP {status}" if status is not None else "no response"
         super().__init__(f"engine control call {method} ({url}) failed: {status_text}: {body[:300]}")
 
+    def __reduce__(self):
+        """Rebuilt from its fields (so it crosses processes, e.g. out of a Ray actor, as itself)."""
+        return type(self), (self.method, self.url, self.status, self.body)
+
 
 class EngineControlClient:
     """Control one engine at ``base_url`` (e.g. ``http://127.0.0.1:8000``); every call times out after

@@ -3,12 +3,13 @@
 A background thread checks every engine each ``--rollout-health-check-interval`` seconds (after
 ``--rollout-health-check-first-wait``): its process must be alive and ``GET /health`` must answer 200 within
 ``--rollout-health-check-timeout`` seconds, so a hung (e.g. SIGSTOPped) server counts as dead. A dead engine is
-taken out of the router at once, its process group is killed, and a new engine starts on the same GPUs (a new
-port). The new engine holds the initial weights, so it stays out of the router until the next weight sync has
-given it the current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests
-that were in flight on the dead one are sent again by the rollout (``vime.rollout.vllm_generate``). An engine
-that dies more than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router that vime
-started and that dies is restarted on its address with every admitted engine.
+taken out of the router at once, stopped (its process group killed), and a new engine starts in the same slot
+(the same GPUs; on a cluster a new actor in the same bundle: an engine whose actor died counts as dead) on a new
+port. The new engine holds the initial weights, so it stays out of the router until a weight sync has given it the
+current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests that were in
+flight on the dead one are sent again by the rollout (``vime.rollout.vllm_generate``). An engine that dies more
+than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router that vime started and that
+dies is restarted on its address with every admitted engine.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from vime.backends.vllm_utils.engine import ServerProcess, VLLMEngine
+from vime.backends.vllm_utils.engine import ServerProcess
+from vime.backends.vllm_utils.engine_fleet import EngineHandle
 from vime.backends.vllm_utils.router import RouterProcess, register_workers, unregister_worker
 from vime.utils.async_utils import run
 
@@ -33,9 +35,9 @@ class EngineMonitor:
     def __init__(
         self,
         args,
-        engines: list[VLLMEngine],
+        engines: list[EngineHandle],
         router_url: str,
-        make_engine: Callable[[int], VLLMEngine],
+        make_engine: Callable[[int], EngineHandle],
         router: RouterProcess | None = None,
     ):
         self.args = args
@@ -73,10 +75,16 @@ class EngineMonitor:
             "fault/time_lost_s": self.time_lost_s,
         }
 
-    def admit_synced(self) -> None:
-        """After a weight sync reached every engine: the replacements rejoin the router."""
+    def admit_synced(self, synced_urls: list[str] | None = None) -> None:
+        """After a weight sync: the replacements it reached (``synced_urls``; None: every engine) rejoin the router.
+        One made while the sync ran (its engine died during it) waits for the next sync."""
         with self.lock:
-            slots, self.waiting_for_weights = sorted(self.waiting_for_weights), set()
+            slots = sorted(
+                i
+                for i in self.waiting_for_weights
+                if synced_urls is None or self.engines[i].url in synced_urls
+            )
+            self.waiting_for_weights -= set(slots)
             urls = [self.engines[i].url for i in slots]
         if urls:
             run(register_workers(self.router_url, urls))
@@ -112,7 +120,7 @@ class EngineMonitor:
                     except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                         self.fatal = e
 
-    def _healthy(self, server: ServerProcess, path: str = "/health") -> bool:
+    def _healthy(self, server: EngineHandle | ServerProcess, path: str = "/health") -> bool:
         if not server.is_alive():
             return False
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -166,5 +174,6 @@ class EngineMonitor:
         with self.lock:
             self.engines[slot] = engine
             self.waiting_for_weights.add(slot)
+            self.args.rollout_engine_urls = [e.url for e in self.engines]  # where the rollout aborts requests
         self.time_lost_s += time.monotonic() - started
         logger.warning("engine %d restarted at %s; it rejoins after the next weight sync", slot, engine.url)

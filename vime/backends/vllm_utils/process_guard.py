@@ -10,7 +10,6 @@ If the guard itself is SIGKILLed, COMMAND still gets SIGTERM (it carries the sam
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -19,14 +18,9 @@ import time
 
 import psutil
 
-PR_SET_PDEATHSIG = 1
+from vime.utils.reaper import term_on_parent_death
+
 GRACE_S = 10.0
-
-
-def _term_on_parent_death() -> None:
-    """Have Linux SIGTERM the calling process when its parent dies (no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _group_members() -> list[psutil.Process]:
@@ -67,12 +61,12 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    _term_on_parent_death()
+    term_on_parent_death()
     if os.getppid() != int(argv[0]):  # the launcher died before the line above
         return 1
     # The command is SIGTERMed when the guard dies too: Ray SIGKILLs the direct children of a dead actor (the
     # guard), and a SIGTERMed vLLM server shuts its engine core down itself.
-    child = subprocess.Popen(argv[2:], preexec_fn=_term_on_parent_death)
+    child = subprocess.Popen(argv[2:], preexec_fn=term_on_parent_death)
     kill_at: list[float] = []  # set once asked to stop: when to escalate to SIGKILL
 
     def stop(_signum: int, _frame) -> None:

@@ -12,6 +12,7 @@ TP/PP/EP ranks), so EVERY training rank calls :func:`sync_weights` with its own 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
@@ -29,6 +30,7 @@ from vime.utils.misc import load_function
 from vime.utils.weight_buckets import Bucket
 
 __all__ = ["sync_weights", "sync_weights_from_trainer", "make_transport", "write_hf_safetensors"]
+HOLD_ENV = "VIME_TEST_HOLD_SYNC_DIR"
 
 
 def sync_weights(
@@ -42,6 +44,7 @@ def sync_weights(
         buckets, staged_bytes = transport.stage(buckets, rank, version)
         if engines is not None:
             engines.run(lambda engine: engine.pause(mode="keep"))
+            _hold_for_tests(version)
         try:
             moved_bytes = transport.move(buckets, engines, rank)
             if engines is not None:
@@ -61,8 +64,22 @@ def sync_weights(
     }
 
 
-# One transport per engine set, kept for the life of the training process (the distributed one holds its group).
-_transports: dict[tuple, Transport] = {}
+def _hold_for_tests(version: int) -> None:
+    """A fault-injection point for tests: with ``$VIME_TEST_HOLD_SYNC_DIR`` set and a file ``hold_<version>`` in that
+    directory, sync ``version`` writes ``paused_<version>`` there once every engine is paused and waits (up to 10
+    minutes) until the test removes ``hold_<version>``, e.g. after killing an engine in the middle of the sync."""
+    directory = os.environ.get(HOLD_ENV)
+    if not directory or not (hold := Path(directory) / f"hold_{version}").exists():
+        return
+    (Path(directory) / f"paused_{version}").touch()
+    deadline = time.monotonic() + 600
+    while hold.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+# The transport of the current engine set, per transport name (the distributed one holds its weight group, so a new
+# engine set, e.g. after an engine was replaced, closes the old one's).
+_transports: dict[str, tuple[tuple, Transport]] = {}
 
 
 def make_transport(
@@ -70,26 +87,28 @@ def make_transport(
 ) -> Transport:
     """The ``--update-weight-transport`` of this run, built once per engine set (see ``arg_validation``)."""
     name = args.update_weight_transport
-    key = (name, tuple(engine_urls), str(disk_dir))
-    if key not in _transports:
-        workers = args.rollout_num_gpus_per_engine
-        if name == "disk":
-            hook_path = args.custom_update_weight_post_write_path
-            hook = load_function(hook_path, "--custom-update-weight-post-write-path") if hook_path else None
-            _transports[key] = DiskTransport(
-                disk_dir or args.update_weight_dir,
-                keep_files=args.update_weight_disk_keep_files,
-                post_write=(lambda version_dir: hook(args, version_dir, list(engine_urls))) if hook else None,
-            )
-        elif name == "distributed":
-            _transports[key] = DistributedTransport(engine_urls, workers, rank)
-        elif name == "tensor":
-            _transports[key] = TensorTransport(len(engine_urls) * workers, workers)
-        else:
-            raise ValueError(
-                f"--update-weight-transport {name!r}: expected disk, distributed (nccl) or tensor"
-            )
-    return _transports[key]
+    key = (tuple(engine_urls), str(disk_dir))
+    if name in _transports and _transports[name][0] == key:
+        return _transports[name][1]
+    workers = args.rollout_num_gpus_per_engine
+    if name == "disk":
+        hook_path = args.custom_update_weight_post_write_path
+        hook = load_function(hook_path, "--custom-update-weight-post-write-path") if hook_path else None
+        transport = DiskTransport(
+            disk_dir or args.update_weight_dir,
+            keep_files=args.update_weight_disk_keep_files,
+            post_write=(lambda version_dir: hook(args, version_dir, list(engine_urls))) if hook else None,
+        )
+    elif name == "distributed":
+        transport = DistributedTransport(engine_urls, workers, rank)
+    elif name == "tensor":
+        transport = TensorTransport(len(engine_urls) * workers, workers)
+    else:
+        raise ValueError(f"--update-weight-transport {name!r}: expected disk, distributed (nccl) or tensor")
+    if name in _transports:
+        _transports.pop(name)[1].close()
+    _transports[name] = (key, transport)
+    return transport
 
 
 def sync_weights_from_trainer(

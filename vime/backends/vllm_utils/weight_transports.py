@@ -19,6 +19,7 @@ two staging buffers) while the engines load the previous one.
 from __future__ import annotations
 
 import concurrent.futures
+import secrets
 import shutil
 import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,8 +33,8 @@ from safetensors.torch import save_file
 
 from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.cuda_ipc import share_cuda_buffer
-from vime.backends.vllm_utils.worker_extension import WeightGroup, create_weight_group
-from vime.utils.misc import free_port
+from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE, WeightGroup, create_weight_group
+from vime.utils.net import listen_socket
 from vime.utils.weight_buckets import Bucket, flatten_bucket, with_last_flag
 
 
@@ -41,6 +42,9 @@ class Transport(Protocol):
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]: ...
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int: ...
+
+    def close(self) -> None:
+        """Release what it holds across syncs (when the engine set changes)."""
 
 
 def _drain(buckets: Iterable[Bucket]) -> int:
@@ -66,7 +70,9 @@ def write_hf_safetensors(buckets: Iterable[Bucket], out_dir: str | Path) -> int:
 class DiskTransport:
     """``disk``: safetensors files in ``directory/v<version>`` (shared with the engines), then ``reload_weights``;
     ``post_write(version_dir)`` runs on rank 0 between the two; the version's files are deleted once loaded unless
-    ``keep_files``."""
+    ``keep_files``. Each sync also writes a fresh token there, and every engine must read it back before reloading:
+    an engine on a node where the directory is not shared (or is another directory of the same name) would load
+    nothing or stale weights."""
 
     def __init__(
         self,
@@ -82,6 +88,7 @@ class DiskTransport:
         self.keep_files = keep_files
         self.post_write = post_write
         self.version_dir: Path | None = None
+        self.token = ""
 
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         if rank != 0:
@@ -89,16 +96,32 @@ class DiskTransport:
             return iter(()), 0
         self.version_dir = self.directory / f"v{version:07d}"
         nbytes = write_hf_safetensors(buckets, self.version_dir)
+        self.token = secrets.token_hex(8)
+        (self.version_dir / SYNC_TOKEN_FILE).write_text(self.token)
         if self.post_write is not None:
             self.post_write(str(self.version_dir))
         return iter(()), nbytes
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
         if engines is not None:
+            path = str(self.version_dir / SYNC_TOKEN_FILE)
+            seen = engines.run(lambda engine: engine.collective_rpc("read_sync_token", kwargs={"path": path}))
+            for url, tokens in zip(engines.urls, seen, strict=True):
+                if any(token != self.token for token in tokens or [None]):
+                    raise RuntimeError(
+                        f"--update-weight-transport disk: the engine at {url} does not see the weights the trainer "
+                        f"wrote to {self.version_dir} on {socket.gethostname()} (it reads {tokens} from "
+                        f"{SYNC_TOKEN_FILE}, not {self.token!r}): the directory (--update-weight-dir) must be on a "
+                        "filesystem shared by the trainer's node and every engine's node, or use "
+                        "--update-weight-transport distributed"
+                    )
             engines.run(lambda engine: engine.reload_weights(str(self.version_dir)))
             if not self.keep_files:
                 shutil.rmtree(self.version_dir)
         return 0
+
+    def close(self) -> None:
+        pass
 
 
 def _address_towards(host: str) -> str:
@@ -111,7 +134,8 @@ def _address_towards(host: str) -> str:
 class DistributedTransport:
     """``distributed``: rank 0's end of one weight group with every worker of every engine (engine ``i``'s workers
     are ranks ``1 + i * workers_per_engine + worker rank``), built at the first sync and reused. If a move fails
-    the group may be left mid-collective: it is dropped and the next sync builds a new one."""
+    (e.g. an engine died) the group may be left mid-collective: it is closed, which also frees the workers of the
+    live engines still waiting in it, and the next sync builds a new one."""
 
     def __init__(
         self,
@@ -135,10 +159,11 @@ class DistributedTransport:
         """Build the group: rank 0 joins (in a thread: it blocks until every rank joins) while every engine's
         workers join through ``init_weight_update_group``."""
         address = _address_towards(urlparse(self.engine_urls[0]).hostname or "127.0.0.1")
-        port = free_port()
+        listener = listen_socket(address)  # the store listens on that address only
+        port = listener.getsockname()[1]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             join = pool.submit(
-                create_weight_group, address, port, 0, self.world_size, self.backend, self.timeout_s
+                create_weight_group, address, port, 0, self.world_size, self.backend, self.timeout_s, listener
             )
             engines.run(
                 [
@@ -190,9 +215,14 @@ class DistributedTransport:
                 if work is not None:
                     work.wait()
         except BaseException:
-            self.group = None  # possibly mid-collective: the next sync builds a new group
+            self.close()  # possibly mid-collective: the next sync builds a new group
             raise
         return nbytes
+
+    def close(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            group.close()
 
 
 class TensorTransport:
@@ -258,6 +288,9 @@ class TensorTransport:
             staging = handles = None
             torch.cuda.ipc_collect()
         return nbytes
+
+    def close(self) -> None:
+        pass
 
 
 class _PingPong:

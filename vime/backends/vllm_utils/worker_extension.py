@@ -14,6 +14,7 @@ The weight group is a standalone process group (a ``TCPStore`` hosted by the tra
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,9 +22,12 @@ import torch
 import torch.distributed as dist
 
 from vime.backends.vllm_utils.cuda_ipc import open_cuda_buffer
+from vime.utils.distributed import tcp_store
 from vime.utils.weight_buckets import unflatten_bucket
 
 STORE_PREFIX = "vime_weight_sync"
+# The disk transport's proof that an engine reads the directory the trainer wrote.
+SYNC_TOKEN_FILE = "vime_sync_token.txt"
 
 
 @dataclass
@@ -39,15 +43,29 @@ class WeightGroup:
         """Start broadcasting ``tensor`` from rank 0 (in place on the receivers); ``.wait()`` the result."""
         return self.group.broadcast(tensor, 0)
 
+    def close(self) -> None:
+        """Leave the group, closing its connections: with gloo a member waiting in a collective with this one then
+        fails at once instead of timing out (``abort`` would leave it waiting)."""
+        self.group.shutdown()
+
 
 def create_weight_group(
-    master_address: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float = 600.0,
+    listener: socket.socket | None = None,
 ) -> WeightGroup:
-    """Join the weight group as ``rank`` (rank 0 hosts the store). With gloo the call returns once every rank has
-    joined; the backend is chosen here and only here: ``gloo`` (CPU tensors) or ``nccl`` (current CUDA device)."""
+    """Join the weight group as ``rank`` (rank 0 hosts the store, on ``listener`` if given: a socket bound to
+    ``master_address:master_port`` only). With gloo the call returns once every rank has joined; the backend is
+    chosen here and only here: ``gloo`` (CPU tensors) or ``nccl`` (current CUDA device)."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, master_port, world_size, rank == 0, timeout=timeout, wait_for_workers=False
+    store = (
+        tcp_store(master_address, master_port, world_size, timeout, listener)
+        if rank == 0
+        else dist.TCPStore(master_address, master_port, world_size, False, timeout=timeout)
     )
     prefixed = dist.PrefixStore(STORE_PREFIX, store)
     if backend == "gloo":
@@ -137,6 +155,14 @@ class VimeWorkerExtension:
         if final:
             self.reload_weights(weights_iterator=list(staged), is_checkpoint_format=True)
             staged.clear()
+
+    def read_sync_token(self, path: str) -> str | None:
+        """The ``disk`` transport's token file as this worker's node sees it (None if it cannot read it)."""
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return None
 
     def destroy_weight_update_group(self) -> None:
         """Leave the weight group (drop this worker's members of it)."""

@@ -1,0 +1,171 @@
+"""Engines on every node, on a simulated 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head
+with 2 CPUs, a second node with 1). ``train.py`` joins it; Ray packs the trainer's bundle and engine 0's onto the head
+and engine 1's onto the second node. Each engine's server must be owned by an actor of its own node (its process
+chain leads to that node's raylet), listen on that node's address, serve requests and follow every weight sync.
+With ``--use-fault-tolerance``, the second node's engine actor is SIGKILLed after rollout 0: the engine is restarted
+by a new actor on the same bundle (that node) and serves again once synced. Nothing of the run may be left when it
+ends, nor anything of the cluster after it is shut down."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import psutil
+import pytest
+from conftest import (
+    OFFLINE_ENV,
+    RUN_MARKER_ENV,
+    TEST_VLLM_FLAGS,
+    marked_processes,
+    new_marker,
+    read_metrics,
+    wait_until_no_marked_processes,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+REPO = Path(__file__).resolve().parents[2]
+NUM_ROLLOUT = 3
+ENGINE_LINE = re.compile(
+    r"\[vime\] engine (\d): (\S+) on node (\w+) \((\S+)\), server pid (\d+) \(owned by actor pid (\d+)\)"
+)
+
+
+@pytest.fixture
+def two_nodes(monkeypatch):
+    """A head (2 CPUs) and a second node (1 CPU); their processes carry a marker (the nodes inherit this process's
+    environment, and their workers the nodes')."""
+    from ray.cluster_utils import Cluster
+
+    marker = new_marker("two-nodes")
+    monkeypatch.setenv(RUN_MARKER_ENV, marker)
+    for key, value in OFFLINE_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        second = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield cluster, [cluster.head_node, second], marker
+    finally:
+        cluster.shutdown()
+    assert wait_until_no_marked_processes(marker, timeout=60) == [], "the cluster left processes"
+
+
+def _raylet_pid(node) -> int:
+    from ray._private import ray_constants
+
+    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+
+
+def _ancestors(pid: int) -> list[int]:
+    return [p.pid for p in psutil.Process(pid).parents()]
+
+
+def _kill_actor_then_find_its_successor(
+    engines: dict, node_id: str, log_dir: Path, marker: str, done: threading.Event
+) -> dict:
+    """Once rollout 0 is logged, SIGKILL the engine actor on node ``node_id``; then find the actor that replaces it
+    (a new engine actor with a server under it) and its process chain."""
+    found: dict = {}
+    metrics = log_dir / "metrics.jsonl"
+    while not done.is_set() and not (metrics.is_file() and metrics.read_text().strip()):
+        time.sleep(0.1)
+    if done.is_set():
+        return found
+    slot, engine = next((slot, e) for slot, e in engines.items() if e["node_id"] == node_id)
+    os.kill(engine["actor_pid"], signal.SIGKILL)
+    found.update(slot=slot, killed=engine["actor_pid"])
+    old = {e["actor_pid"] for e in engines.values()}
+    while not done.is_set():
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                command = " ".join(proc.info["cmdline"] or [])
+                if (
+                    "api_server" in command
+                    and "process_guard" not in command
+                    and proc.environ().get(RUN_MARKER_ENV) == marker
+                ):
+                    actor = proc.parents()[1]  # server -> process guard -> actor
+                    if actor.name().startswith("ray::NodeEngine") and actor.pid not in old:
+                        found.update(actor_pid=actor.pid, chain=_ancestors(actor.pid))
+                        return found
+            except (psutil.Error, IndexError):
+                pass
+        time.sleep(0.5)
+    return found
+
+
+def test_one_engine_per_node_owned_there_synced_and_restarted_there(tiny_model_dir, tmp_path, two_nodes):
+    cluster, nodes, marker = two_nodes
+    log_dir = tmp_path / "logs"
+    argv = [
+        sys.executable, str(REPO / "train.py"), "--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir),
+        "--prompt-data", str(tiny_model_dir / "train.jsonl"), "--rm-type", "exact", "--rollout-batch-size", "4",
+        "--n-samples-per-prompt", "4", "--rollout-max-response-len", "2", "--num-rollout", str(NUM_ROLLOUT),
+        "--lr", "1e-2", "--rollout-num-gpus", "2", "--router-policy", "round_robin", "--log-dir", str(log_dir),
+        "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "5",
+        *TEST_VLLM_FLAGS,
+    ]  # fmt: skip
+    run = subprocess.Popen(
+        argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_ADDRESS": cluster.address},
+    )  # fmt: skip
+    lines, engines, done = [], {}, threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for line in run.stdout:  # while the run is up: where its engines are, and their processes
+            lines.append(line)
+            if match := ENGINE_LINE.search(line):
+                slot, url, node_id, node_ip, server_pid, actor_pid = match.groups()
+                engines[int(slot)] = dict(url=url, node_id=node_id, node_ip=node_ip, server_pid=int(server_pid),
+                                          actor_pid=int(actor_pid), chain=_ancestors(int(server_pid)))  # fmt: skip
+                if len(engines) == 2:
+                    restart = pool.submit(
+                        _kill_actor_then_find_its_successor, engines, nodes[1].node_id, log_dir, marker, done
+                    )
+        done.set()
+    assert run.wait(timeout=60) == 0, "".join(lines[-80:])
+
+    # one engine per node, owned by an actor of that node, listening on that node's address
+    assert sorted(engines) == [0, 1], "".join(lines[-80:])
+    assert {e["node_id"] for e in engines.values()} == {node.node_id for node in nodes}
+    for engine in engines.values():
+        node = next(node for node in nodes if node.node_id == engine["node_id"])
+        assert engine["chain"][0] == engine["actor_pid"], engine  # the process guard is the actor's child
+        assert _raylet_pid(node) in engine["chain"], (engine, _raylet_pid(node))  # ... an actor of this node
+        assert urlparse(engine["url"]).hostname == engine["node_ip"] == node.node_ip_address
+
+    # the second node's engine, its actor killed, was restarted by a new actor on that node, and served again
+    replaced = restart.result()
+    assert "chain" in replaced, replaced
+    assert _raylet_pid(nodes[1]) in replaced["chain"] and _raylet_pid(nodes[0]) not in replaced["chain"], (
+        replaced
+    )
+    records = [r for r in read_metrics(log_dir) if "rollout/reward_mean" in r]
+    assert [r["rollout_id"] for r in records] == list(range(NUM_ROLLOUT))
+    assert max(r["fault/engine_restarts"] for r in records) == 1, records
+    restarted = log_dir / f"engine_{replaced['slot']}.restart1.log"
+    assert "POST /v1/completions" in restarted.read_text(errors="replace")
+
+    # both engines served, and every sync reached them: the trainer's log-probs equal the engines'
+    for slot in (0, 1):
+        assert "POST /v1/completions" in (log_dir / f"engine_{slot}.log").read_text(errors="replace")
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-3 for r in records), records
+
+    # the run's engines, actors and router are gone; the cluster is not
+    keys = ("vllm", "VLLM", "NodeEngine", "TrainRayActor", "RolloutManager", "process_guard")
+    deadline = time.monotonic() + 30
+    while (
+        left := [p for p in marked_processes(marker) if any(k in p for k in keys)]
+    ) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []
+    assert all(psutil.pid_exists(_raylet_pid(node)) for node in nodes)

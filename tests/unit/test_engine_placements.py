@@ -1,0 +1,59 @@
+"""Where each vLLM engine runs: its bundle, node and GPUs (``CUDA_VISIBLE_DEVICES``), from the rollout bundles'
+slots; an engine never spans nodes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vime.ray.placement_group import Bundles, BundleSlot, engine_placements
+
+
+def _bundles(n: int, first: int = 0) -> Bundles:
+    return Bundles(group=None, indices=list(range(first, first + n)), resource="GPU")
+
+
+def test_consecutive_gpus_of_one_node_per_engine():
+    args = argparse.Namespace(rollout_num_gpus_per_engine=2)
+    slots = [BundleSlot("node-a", "10.0.0.1", gpu) for gpu in ("4", "5", "6", "7")]
+    placements = engine_placements(args, _bundles(4, first=4), slots)
+    assert [(p.bundle_index, p.node_ip, p.gpus) for p in placements] == [
+        (4, "10.0.0.1", "4,5"),
+        (6, "10.0.0.1", "6,7"),
+    ]
+
+
+def test_bundles_are_grouped_by_node_and_gpu_unless_colocated():
+    """Ray may interleave the bundles of two nodes; engines of 2 GPUs still each get one node."""
+    args = argparse.Namespace(rollout_num_gpus_per_engine=2)
+    slots = [
+        BundleSlot("node-b", "10.0.0.2", "1"),
+        BundleSlot("node-a", "10.0.0.1", "0"),
+        BundleSlot("node-b", "10.0.0.2", "0"),
+        BundleSlot("node-a", "10.0.0.1", "1"),
+    ]
+    placements = engine_placements(args, _bundles(4), slots)
+    assert [(p.bundle_index, p.node_id, p.gpus) for p in placements] == [
+        (1, "node-a", "0,1"),
+        (2, "node-b", "0,1"),
+    ]
+    with pytest.raises(ValueError, match=r"engine 0 would span Ray nodes 10.0.0.1 .*, 10.0.0.2 .*one node"):
+        engine_placements(args, _bundles(4), slots, keep_order=True)
+
+
+def test_cpu_engines_one_per_bundle_on_each_node():
+    args = argparse.Namespace(rollout_num_gpus_per_engine=1)
+    slots = [BundleSlot("node-a", "127.0.0.1", None), BundleSlot("node-b", "127.0.0.1", None)]
+    placements = engine_placements(args, _bundles(2, first=1), slots)
+    assert [(p.bundle_index, p.node_id, p.gpus) for p in placements] == [
+        (1, "node-a", None),
+        (2, "node-b", None),
+    ]
+
+
+def test_an_odd_share_of_gpus_on_a_node_is_refused():
+    args = argparse.Namespace(rollout_num_gpus_per_engine=2)
+    slots = [BundleSlot("node-a", "10.0.0.1", "7")] + [BundleSlot("node-b", "10.0.0.2", g) for g in "012"]
+    with pytest.raises(ValueError, match="engine 0 would span Ray nodes"):
+        engine_placements(args, _bundles(4), slots)

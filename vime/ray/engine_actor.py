@@ -1,0 +1,128 @@
+"""Engines on every node: each vLLM engine is owned by a small Ray actor placed in its placement-group bundle, so
+its server runs on that bundle's node, under the actor's process guard, and listens on the node's address.
+
+The rollout manager holds a :class:`RemoteEngine` per engine (an ``EngineHandle``, like a local ``VLLMEngine``);
+the health monitor restarts a dead engine, or one whose actor died, through :class:`NodeEngines` on the same
+bundle. Only the server lifecycle lives in the actor (``VLLMEngine``); this module only wires it to Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.ray.placement_group import EnginePlacement
+
+# How long a call to a live engine actor may take before the engine counts as unreachable (a health probe).
+ACTOR_CALL_TIMEOUT_S = 60.0
+
+
+class NodeEngine(VLLMEngine):
+    """A :class:`VLLMEngine` on the actor's node, reporting where it runs."""
+
+    def address(self) -> str:
+        return self.url
+
+    def launch(self) -> None:
+        """:meth:`start` (which returns the engine itself: nothing to send back from an actor)."""
+        self.start()
+
+    def where(self) -> dict:
+        """Its URL, node (Ray id and address), the actor's pid and the server's (its process guard's, the leader
+        of the server's process group)."""
+        return {
+            "url": self.url,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "actor_pid": os.getpid(),
+            "server_pid": self.proc.pid if self.proc is not None else None,
+        }
+
+
+# Threaded, so health probes and log tails answer while a start waits for readiness.
+EngineActor = ray.remote(num_cpus=0, max_concurrency=4)(NodeEngine)
+
+
+class RemoteEngine:
+    """The rollout manager's handle on an engine owned by an :data:`EngineActor`. A dead actor counts as a dead
+    engine (its server went with it: the process guard)."""
+
+    def __init__(self, actor: ray.actor.ActorHandle, placement: EnginePlacement, log_path: Path):
+        self.actor = actor
+        self.placement = placement
+        self.log_path = log_path
+        self.url: str = ray.get(actor.address.remote())
+
+    def start(self) -> RemoteEngine:
+        ray.get(self.actor.launch.remote())
+        return self
+
+    def wait_ready_sync(self, timeout: float | None = None) -> float:
+        return ray.get(self.actor.wait_ready_sync.remote(timeout))
+
+    def is_alive(self) -> bool:
+        try:
+            return ray.get(self.actor.is_alive.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return ray.get(self.actor.log_tail.remote(n), timeout=ACTOR_CALL_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            return f"(the engine's actor on node {self.placement.node_ip} is gone: {type(exc).__name__}; its log is {self.log_path} there)"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the server, then the actor (killing the actor alone would also end the server, less gently)."""
+        try:
+            ray.get(self.actor.stop.remote(grace_s))
+        except ray.exceptions.RayActorError:
+            pass  # the actor died, and its server with it
+        finally:
+            ray.kill(self.actor)
+
+
+@dataclass
+class NodeEngines:
+    """Launches engine ``slot`` through a new :data:`EngineActor` in ``placements[slot]``'s bundle; the server
+    listens on that node's address (Ray's node IP: loopback for a run's own local Ray, the private interface in a
+    cluster)."""
+
+    placements: list[EnginePlacement]
+
+    @property
+    def on_gpu(self) -> bool:
+        return any(p.gpus for p in self.placements)
+
+    @property
+    def num_slots(self) -> int | None:
+        return len(self.placements)
+
+    def launch(
+        self,
+        args: argparse.Namespace,
+        slot: int,
+        log_path: Path,
+        extra_args: Sequence[str],
+        env: Mapping[str, str] | None = None,
+    ) -> RemoteEngine:
+        placement = self.placements[slot]
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=placement.group, placement_group_bundle_index=placement.bundle_index
+        )
+        gpus = {"CUDA_VISIBLE_DEVICES": placement.gpus} if placement.gpus else {}
+        actor = EngineActor.options(scheduling_strategy=strategy).remote(
+            args,
+            host=placement.node_ip,
+            log_path=log_path,
+            extra_args=list(extra_args),
+            env={**(env or {}), **gpus},
+        )
+        return RemoteEngine(actor, placement, log_path)
