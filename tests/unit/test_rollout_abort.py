@@ -49,7 +49,7 @@ def _abort(fault_tolerance: bool, urls: list[str]) -> None:
 
 
 def test_a_dead_engine_is_skipped_only_with_fault_tolerance(monkeypatch):
-    monkeypatch.setattr(vllm_rollout, "EngineControlClient", FakeClient)
+    monkeypatch.setattr(vllm_generate, "EngineControlClient", FakeClient)
     CALLS.clear()
     _abort(True, ["http://e0", "http://dead"])
     assert [c for c in CALLS if c[0] != "close"] == [
