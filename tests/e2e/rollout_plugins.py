@@ -90,3 +90,20 @@ def record_weight_dir(args, version_dir, rollout_engines):
     files = sorted(os.listdir(version_dir))
     with open(os.path.join(os.path.dirname(version_dir), "post_write.log"), "a") as log:
         log.write(f"{os.path.basename(version_dir)} {len(rollout_engines)} {','.join(files)}\n")
+
+
+async def judged_with_teacher(args, sample, **kwargs):
+    """--custom-rm-path for the --vllm-config test: the teacher's log-probs for on-policy distillation (from the
+    teacher model's router) and, as the reward, the judge model's probability of the response (from its router)."""
+    from vime.rollout.on_policy_distillation import (
+        fetch_teacher_log_probs,
+        response_log_probs,
+        teacher_request,
+    )
+    from vime.rollout.vllm_rollout import get_model_url
+    from vime.utils.http_utils import post
+
+    sample.teacher_log_probs = await fetch_teacher_log_probs(args, sample)
+    judged = await post(get_model_url(args, "judge", "/v1/completions"), teacher_request(sample.tokens))
+    log_probs = response_log_probs(judged["choices"][0], sample.tokens, sample.response_length)
+    return float(sum(log_probs) / len(log_probs))

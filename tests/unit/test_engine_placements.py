@@ -57,3 +57,13 @@ def test_an_odd_share_of_gpus_on_a_node_is_refused():
     slots = [BundleSlot("node-a", "10.0.0.1", "7")] + [BundleSlot("node-b", "10.0.0.2", g) for g in "012"]
     with pytest.raises(ValueError, match="engine 0 would span Ray nodes"):
         engine_placements(args, _bundles(4), slots)
+
+
+def test_vllm_config_engines_of_several_sizes_and_a_placeholder():
+    """--vllm-config: the policy's two 1-GPU engines, a teacher on 2 GPUs, then 2 placeholder GPUs left unused."""
+    args = argparse.Namespace(rollout_num_gpus_per_engine=1)
+    slots = [BundleSlot("node-a", "10.0.0.1", str(gpu)) for gpu in range(6)]
+    placements = engine_placements(args, _bundles(6), slots, sizes=[1, 1, 2])
+    assert [(p.bundle_index, p.gpus) for p in placements] == [(0, "0"), (1, "1"), (2, "2,3")]
+    with pytest.raises(ValueError, match="3 engines need 7 rollout bundles; there are 6"):
+        engine_placements(args, _bundles(6), slots, sizes=[1, 2, 4])

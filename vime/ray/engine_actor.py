@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.ray.placement_group import EnginePlacement
+from vime.utils.vllm_config import EngineSpec
 
 # How long a call to a live engine actor may take before the engine counts as unreachable (a health probe).
 ACTOR_CALL_TIMEOUT_S = 60.0
@@ -112,6 +113,7 @@ class NodeEngines:
         log_path: Path,
         extra_args: Sequence[str],
         env: Mapping[str, str] | None = None,
+        spec: EngineSpec | None = None,
     ) -> RemoteEngine:
         placement = self.placements[slot]
         strategy = PlacementGroupSchedulingStrategy(
@@ -124,5 +126,6 @@ class NodeEngines:
             log_path=log_path,
             extra_args=list(extra_args),
             env={**(env or {}), **gpus},
+            spec=spec,
         )
         return RemoteEngine(actor, placement, log_path)

@@ -7,6 +7,7 @@ bundles come first and the rollout's after them, in one placement group.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -119,30 +120,41 @@ def bundle_slots(bundles: Bundles) -> list[BundleSlot]:
 
 
 def engine_placements(
-    args, bundles: Bundles, slots: list[BundleSlot], keep_order: bool = False
+    args,
+    bundles: Bundles,
+    slots: list[BundleSlot],
+    sizes: Sequence[int] | None = None,
+    keep_order: bool = False,
 ) -> list[EnginePlacement]:
-    """One placement per engine: ``--rollout-num-gpus-per-engine`` bundles on one node. Bundles are grouped by node
-    (and GPU id) first, unless ``keep_order`` (colocated engines: engine ``i``'s GPUs must be those of training
-    ranks ``i * per_engine ...``). An engine whose bundles would span nodes is refused."""
+    """One placement per engine, engine ``i`` on ``sizes[i]`` bundles of one node (default: every engine
+    ``--rollout-num-gpus-per-engine``; ``--vllm-config`` engines differ, and its placeholder groups leave bundles
+    unused at the end). Bundles are grouped by node (and GPU id) first, unless ``keep_order`` (colocated engines:
+    engine ``i``'s GPUs must be those of training ranks ``i * per_engine ...``). An engine whose bundles would span
+    nodes is refused."""
     per_engine = args.rollout_num_gpus_per_engine
+    sizes = list(sizes) if sizes is not None else [per_engine] * (len(slots) // per_engine)
+    if sum(sizes) > len(slots):
+        raise ValueError(f"{len(sizes)} engines need {sum(sizes)} rollout bundles; there are {len(slots)}")
     order = list(range(len(slots)))
     if not keep_order:
         order.sort(key=lambda i: (slots[i].node_id, _gpu_order(slots[i].gpu)))
     placements = []
-    for start in range(0, len(order), per_engine):
-        chunk = [slots[i] for i in order[start : start + per_engine]]
+    start = 0
+    for engine, size in enumerate(sizes):
+        chunk = [slots[i] for i in order[start : start + size]]
         nodes = sorted({slot.node_ip + " (" + slot.node_id[:8] + ")" for slot in chunk})
         if len(nodes) > 1:
             raise ValueError(
-                f"engine {start // per_engine} would span Ray nodes {', '.join(nodes)}: an engine's "
-                f"--rollout-num-gpus-per-engine {per_engine} GPUs must be on one node. Give each node a multiple "
-                f"of {per_engine} rollout GPUs (--rollout-num-gpus, --actor-num-gpus-per-node)"
+                f"engine {engine} would span Ray nodes {', '.join(nodes)}: an engine's {size} GPUs must be on one "
+                f"node. Give each node a multiple of {size} rollout GPUs (--rollout-num-gpus, "
+                "--actor-num-gpus-per-node), or order the --vllm-config groups so engines fill nodes"
             )
         gpus = ",".join(slot.gpu for slot in chunk) if chunk[0].gpu is not None else None
         first = order[start]
         placements.append(
             EnginePlacement(bundles.group, bundles.indices[first], chunk[0].node_id, chunk[0].node_ip, gpus)
         )
+        start += size
     return placements
 
 

@@ -9,6 +9,7 @@ from vime.ray.engine_actor import NodeEngines
 from vime.ray.placement_group import Bundles, BundleSlot, engine_placements
 from vime.ray.rollout_batch import RolloutBatch, make_batch
 from vime.rollout.rollout_manager import RolloutManager
+from vime.utils.vllm_config import engine_specs, serving_config
 
 
 class RayRolloutManager(RolloutManager):
@@ -22,8 +23,12 @@ class RayRolloutManager(RolloutManager):
         return make_batch(self.args, self.generate(rollout_id, train_version), dp_sizes)
 
     def describe_engines(self) -> list[dict]:
-        """Where each engine runs (``NodeEngine.where``), in slot order."""
-        return ray.get([engine.actor.where.remote() for engine in self.engines])
+        """Where each engine runs (``NodeEngine.where``, and the model it serves), in slot order."""
+        engines = self.engines + [
+            engine for model_engines, _ in self.frozen.values() for engine in model_engines
+        ]
+        places = ray.get([engine.actor.where.remote() for engine in engines])
+        return [place | {"model": spec.model} for place, spec in zip(places, self.specs, strict=True)]
 
 
 # Engines run on their bundles' nodes, each owned by its own actor (vime.ray.engine_actor).
@@ -47,14 +52,16 @@ def create_rollout_manager(
         if bundles.indices
         else None
     )
-    launcher = NodeEngines(engine_placements(args, bundles, slots, keep_order=args.colocate))
+    sizes = [spec.num_gpus for spec in engine_specs(serving_config(args))]
+    launcher = NodeEngines(engine_placements(args, bundles, slots, sizes, keep_order=args.colocate))
     manager = RolloutManagerActor.options(scheduling_strategy=strategy).remote(
         args, log_dir, engine_extra_args, launcher
     )
     ray.get(manager.start.remote())
     for slot, where in enumerate(ray.get(manager.describe_engines.remote())):
         print(
-            f"[vime] engine {slot}: {where['url']} on node {where['node_id']} ({where['node_ip']}), server pid "
+            f"[vime] engine {slot} ({where['model']}): {where['url']} on node {where['node_id']} ({where['node_ip']}), "
+            f"server pid "
             f"{where['server_pid']} (owned by actor pid {where['actor_pid']})",
             flush=True,
         )

