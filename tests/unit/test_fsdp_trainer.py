@@ -357,15 +357,34 @@ def test_custom_loss_and_advantage_hooks(base_args):
 
 
 def slime_custom_loss(args, batch, logits, sum_of_sample_mean):
-    """A loss written for slime's signature."""
+    """A policy-gradient loss written for slime's signature, with slime's helper (imported from vime)."""
+    from vime.utils.loss import get_log_probs_and_entropy
+
+    out = get_log_probs_and_entropy(
+        logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"], with_entropy=True,
+    )  # fmt: skip
+    log_probs = torch.cat(out["log_probs"])
+    pg_losses, _ = ppo_utils.compute_policy_loss(
+        torch.cat(batch["log_probs"]) - log_probs,
+        torch.cat(batch["advantages"]),
+        args.eps_clip,
+        args.eps_clip_high,
+    )
+    loss = sum_of_sample_mean(pg_losses)
+    return loss, {"loss": loss.detach(), "entropy": sum_of_sample_mean(torch.cat(out["entropy"])).detach()}
 
 
-def test_a_custom_loss_with_slimes_signature_is_refused_with_how_to_port_it(base_args):
-    args = with_args(base_args, custom_loss_function_path="test_fsdp_trainer.slime_custom_loss")
-    with pytest.raises(
-        ValueError, match=r"slime's \(args, batch, logits, sum_of_sample_mean\).*batch\['reduce'\]"
-    ):
-        FSDPTrainer(args)
+def test_a_custom_loss_with_slimes_signature_trains_like_ours(base_args):
+    params, metrics = {}, {}
+    for name in ("custom_loss", "slime_custom_loss"):
+        args = with_args(base_args, lr=1e-2, custom_loss_function_path=f"test_fsdp_trainer.{name}")
+        trainer = FSDPTrainer(args)
+        samples = make_samples()
+        metrics[name] = trainer.train(0, samples, shape_rewards(args, groups_of(samples)))
+        params[name] = full_params(trainer)
+    assert_same_params(params["custom_loss"], params["slime_custom_loss"], rtol=1e-5, atol=1e-7)
+    assert metrics["slime_custom_loss"]["entropy"] > 0
 
 
 SLIME_KEYS_SEEN: list[set[str]] = []

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from vime.backends.memory_check import check_memory_plan
 from vime.backends.routing_plan import RoutingPlan, make_routing_plan, routing_pass
 from vime.utils.flops import sequence_flops
-from vime.utils.loss import make_reducer, policy_loss, sft_loss
+from vime.utils.loss import make_reducer, policy_loss, sft_loss, takes_logits
 from vime.utils.memory_plan import MemoryPlan
 from vime.utils.misc import load_function
 from vime.utils.mismatch import STAT_KEYS, mismatch_metrics, mismatch_statistics
@@ -83,23 +83,6 @@ def teacher_log_probs_of(samples: list[Sample], log_probs: PerSample) -> PerSamp
             )
         teacher.append(torch.tensor(s.teacher_log_probs, dtype=torch.float32))
     return teacher
-
-
-def check_custom_loss(fn: Callable, path: str) -> Callable:
-    """``fn`` if it takes vime's ``(args, batch, log_probs, entropy)``; a loss written for slime's
-    ``(args, batch, logits, sum_of_sample_mean)`` is refused with how to port it (its inputs are Megatron-internal
-    there: logits and slime's own log-prob helpers)."""
-    names = list(inspect.signature(fn).parameters)
-    if "logits" in names or "sum_of_sample_mean" in names:
-        raise ValueError(
-            f"--custom-loss-function-path {path} takes slime's (args, batch, logits, sum_of_sample_mean); vime calls "
-            "fn(args, batch, log_probs, entropy): log_probs are the response tokens' log-probs at the rollout "
-            "temperature, with grad (what slime's get_log_probs_and_entropy(logits, ...) computes), entropy the same "
-            "for the entropy, batch['reduce'] is sum_of_sample_mean, and batch holds packed 1-D tensors "
-            "(advantages, old_log_probs, ref_log_probs, rollout_log_probs, loss_mask) with response_lengths; see "
-            "vime.utils.loss.policy_loss"
-        )
-    return fn
 
 
 def trajectory_key(sample: Sample) -> tuple[str, int | None]:
@@ -224,10 +207,9 @@ class TrainerBase:
             )
         self.loss_fn: Callable = sft_loss if args.loss_type == "sft_loss" else policy_loss
         if args.custom_loss_function_path:
-            self.loss_fn = check_custom_loss(
-                load_function(args.custom_loss_function_path, "--custom-loss-function-path"),
-                args.custom_loss_function_path,
-            )
+            self.loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
+        # a custom loss written for slime: fn(args, batch, logits, sum_of_sample_mean)
+        self.loss_takes_logits = takes_logits(self.loss_fn)
         self.advantage_fn: Callable | None = None
         if args.custom_advantage_function_path:
             self.advantage_fn = load_function(
@@ -414,6 +396,8 @@ class TrainerBase:
                 batch[key] = (
                     torch.cat([per_sample[i] for i in mb]).to(device) if per_sample is not None else None
                 )
+            if self.loss_takes_logits:  # slime's custom losses read the samples' tokens
+                batch["unconcat_tokens"] = [torch.tensor(samples[i].tokens) for i in mb]
             inputs.append((mb, packed, batch))
         return inputs, total_tokens
 

@@ -10,6 +10,7 @@ metrics of a micro-batch are its share of the global value, and summing them ove
 from __future__ import annotations
 
 import argparse
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -153,3 +154,52 @@ def sft_loss(
     if entropy is not None:
         metrics["entropy"] = batch["reduce"](entropy.detach())
     return loss, metrics
+
+
+# ------------------------------------------------------------------------------ custom losses written for slime
+def takes_logits(fn: Callable) -> bool:
+    """Whether a ``--custom-loss-function-path`` has slime's signature ``(args, batch, logits, sum_of_sample_mean)``
+    rather than vime's ``(args, batch, log_probs, entropy)``."""
+    names = list(inspect.signature(fn).parameters)
+    return "logits" in names or "sum_of_sample_mean" in names
+
+
+def slime_loss_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A micro-batch's loss inputs under slime's keys as well (per-sample lists: ``loss_masks``, ``advantages``,
+    ``log_probs`` (the old policy's), ``ref_log_probs``, ``rollout_log_probs``), beside vime's."""
+    lengths = batch["response_lengths"]
+
+    def split(values: torch.Tensor | None) -> list[torch.Tensor] | None:
+        return None if values is None else list(values.split(lengths))
+
+    return batch | {
+        "loss_masks": split(batch["loss_mask"]),
+        "advantages": split(batch["advantages"]),
+        "log_probs": split(batch["old_log_probs"]),
+        "ref_log_probs": split(batch["ref_log_probs"]),
+        "rollout_log_probs": split(batch["rollout_log_probs"]),
+    }
+
+
+def get_log_probs_and_entropy(
+    logits: torch.Tensor,
+    *,
+    args: argparse.Namespace,
+    unconcat_tokens: list[torch.Tensor],
+    total_lengths: list[int],
+    response_lengths: list[int],
+    with_entropy: bool = False,
+    **_: Any,
+) -> dict[str, list[torch.Tensor]]:
+    """slime's helper of the same name for custom losses, on the logits vime passes them: the ``[response tokens,
+    vocab]`` rows that predict each response token (unscaled), in sample order. Returns per-sample ``log_probs`` and,
+    with ``with_entropy``, ``entropy``, at ``--rollout-temperature``."""
+    labels = torch.cat(
+        [torch.as_tensor(t)[-n:] for t, n in zip(unconcat_tokens, response_lengths, strict=True)]
+    )
+    log_probs = ppo_utils.log_probs_from_logits(logits, labels.to(logits.device), args.rollout_temperature)
+    out = {"log_probs": list(log_probs.split(response_lengths))}
+    if with_entropy:
+        entropy = ppo_utils.entropy_from_logits(logits, args.rollout_temperature)
+        out["entropy"] = list(entropy.split(response_lengths))
+    return out

@@ -37,7 +37,7 @@ from vime.backends.fsdp_utils.routing_replay import attach_routing_replay
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
 from vime.utils.freeze import apply_trainable_patterns
-from vime.utils.loss import value_loss
+from vime.utils.loss import slime_loss_batch, value_loss
 from vime.utils.offload import optimizer_tensors
 from vime.utils.routing_replay import ReplayMode
 from vime.utils.train_data import pack_samples, split_routing
@@ -244,6 +244,8 @@ class FSDPTrainer(TrainerBase):
         entropy_grad = self._entropy_needs_grad()
 
         def loss_of(logits: torch.Tensor) -> tuple:
+            if self.loss_takes_logits:  # slime's signature: the response rows' logits and the reducer
+                return self.loss_fn(args, slime_loss_batch(batch), logits, batch["reduce"])
             log_probs, entropy = token_log_probs(
                 logits, labels, args.rollout_temperature, True, entropy_grad, args.log_probs_chunk_size
             )

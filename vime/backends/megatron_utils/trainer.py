@@ -141,6 +141,13 @@ class MegatronTrainer(TrainerBase):
         self.scheduler = self._scheduler(lr)
         self.step = 0
         self._init_policy_models_and_hooks(self._frozen, is_actor=role == "actor")
+        if self.loss_takes_logits:
+            raise ValueError(
+                f"--custom-loss-function-path {args.custom_loss_function_path} takes slime's (args, batch, logits, "
+                "sum_of_sample_mean): the Megatron backend calls custom losses fn(args, batch, log_probs, entropy) "
+                "(its logits are vocabulary- and sequence-parallel shards); use that signature (batch['reduce'] is "
+                "sum_of_sample_mean), or --train-backend fsdp"
+            )
         self._init_routing_replay(
             args.num_layers, args.moe_router_topk, args.num_experts, attach_routing_replay
         )
