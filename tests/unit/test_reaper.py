@@ -45,3 +45,19 @@ def test_a_sigkilled_driver_takes_its_orphaned_grandchildren_along():
         for pid in (locals().get("raylet"), locals().get("agent")):
             if pid and psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_driver_that_exits_is_not_held_up_and_its_reaper_ends():
+    """A caller reading the driver's output gets EOF when the driver exits (the reaper holds none of its pipes), and
+    the reaper, told by the death signal, ends at once (its handler used to deadlock on the Event it waited on)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = "from vime.utils.reaper import start_reaper; import time; print(start_reaper().pid, flush=True); time.sleep(3)"
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert time.monotonic() - started < 30
+    try:
+        reaper_process = psutil.Process(int(result.stdout.split()[0]))
+    except psutil.NoSuchProcess:
+        return  # already gone
+    gone, alive = psutil.wait_procs([reaper_process], timeout=10)
+    assert not alive, "the reaper outlived its driver"

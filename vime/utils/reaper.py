@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
+import time
 
 import psutil
 
@@ -31,9 +31,22 @@ def term_on_parent_death() -> None:
 def start_reaper() -> subprocess.Popen:
     """Start a reaper for this process (call it from the main thread: the death signal follows the calling
     thread)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", __name__, str(os.getpid())], stdin=subprocess.DEVNULL, start_new_session=True
+    return subprocess.Popen(  # no inherited stdout/stderr: a caller reading the driver's output waits for EOF
+        [sys.executable, "-m", __name__, str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
+
+
+class _ParentDied(Exception):
+    """Raised by the SIGTERM handler: it interrupts the sleep at once and cannot deadlock (an Event.set() in a
+    signal handler can, on the lock that Event.wait() holds in the interrupted frame)."""
+
+
+def _parent_died(signum: int, frame: object) -> None:
+    raise _ParentDied
 
 
 def main(argv: list[str]) -> int:
@@ -41,24 +54,15 @@ def main(argv: list[str]) -> int:
         print("usage: python -m vime.utils.reaper PID", file=sys.stderr)
         return 2
     parent = int(argv[0])
+    signal.signal(signal.SIGTERM, _parent_died)
     term_on_parent_death()
-    parent_died = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: parent_died.set())
-    if os.getppid() != parent:  # it died before the line above
-        return 1
     noted: dict[int, float] = {}  # pid -> start time, of every descendant seen and still alive
-    me = os.getpid()
-    while not parent_died.is_set():
-        noted = {pid: started for pid, started in noted.items() if _same(pid, started)}
-        try:
-            for proc in psutil.Process(parent).children(recursive=True):
-                if proc.pid != me:
-                    noted.setdefault(proc.pid, proc.create_time())
-        except psutil.NoSuchProcess:
-            break
-        except psutil.Error:  # a child that exited during the walk
-            pass
-        parent_died.wait(INTERVAL_S)
+    try:
+        if os.getppid() != parent:  # it died before the death signal was armed
+            return 1
+        _note_descendants(parent, noted)
+    except _ParentDied:
+        pass
     for pid, started in noted.items():
         if _same(pid, started):
             try:
@@ -66,6 +70,27 @@ def main(argv: list[str]) -> int:
             except psutil.Error:
                 pass
     return 0
+
+
+def _note_descendants(parent: int, noted: dict[int, float]) -> None:
+    """Every :data:`INTERVAL_S` seconds, add ``parent``'s descendants to ``noted`` (and forget those that exited),
+    until ``parent`` is gone (or :class:`_ParentDied` interrupts)."""
+    me = os.getpid()
+    while True:
+        for pid in [pid for pid, started in noted.items() if not _same(pid, started)]:
+            del noted[pid]  # one by one: an interruption leaves at most an exited entry (skipped when killing)
+        try:
+            process = psutil.Process(parent)
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return
+            for proc in process.children(recursive=True):
+                if proc.pid != me:
+                    noted.setdefault(proc.pid, proc.create_time())
+        except psutil.NoSuchProcess:
+            return
+        except psutil.Error:  # a child that exited during the walk
+            pass
+        time.sleep(INTERVAL_S)
 
 
 def _same(pid: int, started: float) -> bool:
