@@ -208,9 +208,9 @@ def test_disk_sync_writes_a_directory_per_version_runs_the_hook_and_cleans_up(tm
     for version in (1, 2):
         weight_sync.sync_weights(["http://e0"], _buckets(), transport, version)
     dirs = [str(tmp_path / f"w{keep}" / f"v{v:07d}") for v in (1, 2)]
-    files = ["model-00000.safetensors", "model-00001.safetensors", SYNC_TOKEN_FILE]
+    files = ["model-00000.safetensors", "model-00001.safetensors"]
     assert SEEN_BY_HOOK == [("mine", d, files, ["http://e0"]) for d in dirs]  # written before the hook ran
-    assert reloaded == [(d, files) for d in dirs]  # the engines read each version's own directory
+    assert reloaded == [(d, [*files, SYNC_TOKEN_FILE]) for d in dirs]  # each version's own directory
     assert [Path(d).is_dir() for d in dirs] == [keep, keep]  # deleted once loaded unless kept
 
 

@@ -96,10 +96,10 @@ class DiskTransport:
             return iter(()), 0
         self.version_dir = self.directory / f"v{version:07d}"
         nbytes = write_hf_safetensors(buckets, self.version_dir)
+        if self.post_write is not None:  # it sees the weights only
+            self.post_write(str(self.version_dir))
         self.token = secrets.token_hex(8)
         (self.version_dir / SYNC_TOKEN_FILE).write_text(self.token)
-        if self.post_write is not None:
-            self.post_write(str(self.version_dir))
         return iter(()), nbytes
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
