@@ -5,6 +5,7 @@ keeps dying stops the run with its log."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,7 @@ def router(monkeypatch):
 
     monkeypatch.setattr(engine_monitor, "unregister_worker", unregister)
     monkeypatch.setattr(engine_monitor, "register_workers", register)
-    monkeypatch.setattr(EngineMonitor, "_healthy", lambda self, engine: engine.is_alive())
+    monkeypatch.setattr(EngineMonitor, "_healthy", lambda self, server, path="/health": server.is_alive())
     return calls
 
 
@@ -92,3 +93,24 @@ def test_a_replacement_the_sync_did_not_reach_waits_for_the_next(router):
     assert router[-1] == ("add", made[1].url) and monitor.waiting_for_weights == {0}
     monitor.admit_synced([made[0].url, made[1].url])
     assert router[-1] == ("add", made[0].url) and monitor.waiting_for_weights == set()
+
+
+def test_a_restarted_router_gets_only_live_engines_and_the_dead_one_is_then_replaced(router, monkeypatch):
+    """A router and an engine fail together: vllm-router's POST /workers would wait for a hung engine to become
+    healthy, so the restarted router gets the live engines only; the hung one is replaced in the same check."""
+
+    class FakeRouter(FakeEngine):
+        host, port = "127.0.0.1", 1
+
+        def __init__(self, url, alive=True):
+            super().__init__(url, alive)
+            self.log_path = Path("/tmp") / f"{url}.log"
+
+    monkeypatch.setattr(engine_monitor, "RouterProcess", lambda *a, **k: FakeRouter("router2"))
+    engines = [FakeEngine("e0"), FakeEngine("e1", alive=False)]
+    monitor, made = _monitor(engines)
+    monitor.router = FakeRouter("router1", alive=False)
+    monitor.ensure_healthy()
+    assert monitor.router.url == "router2" and monitor.router_restarts == 1
+    assert router == [("add", "e0"), ("remove", "e1")]  # the hung engine never reached the new router
+    assert engines[1] is made[0] and monitor.waiting_for_weights == {1}

@@ -148,8 +148,10 @@ class EngineMonitor:
         router.wait_ready_sync()
         self.router = router
         with self.lock:
-            urls = [e.url for i, e in enumerate(self.engines) if i not in self.waiting_for_weights]
-        run(register_workers(self.router_url, urls))
+            admitted = [e for i, e in enumerate(self.engines) if i not in self.waiting_for_weights]
+        # only live engines: vllm-router's POST /workers waits until a worker is healthy, so a hung one would hold the
+        # monitor; the engine check that follows replaces it
+        run(register_workers(self.router_url, [e.url for e in admitted if self._healthy(e)]))
         self.time_lost_s += time.monotonic() - started
 
     def _replace(self, slot: int) -> None:
