@@ -294,10 +294,41 @@ class TrainerBase:
         raise NotImplementedError
 
     def compute_log_probs(self, samples: list[Sample], model: str = "actor") -> PerSample:
-        raise NotImplementedError
+        """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"`` /
+        ``"old_actor"``), at ``--rollout-temperature``, as CPU fp32 tensors; no grad."""
+        return self.compute_log_probs_and_entropy(samples, model, with_entropy=False)[0]
+
+    def compute_log_probs_and_entropy(
+        self, samples: list[Sample], model: str = "actor", with_entropy: bool = True
+    ) -> tuple[PerSample, PerSample | None]:
+        """:meth:`compute_log_probs` and the entropy of each predicting distribution (``--use-rollout-entropy``)."""
+        nets = {
+            "actor": self.model,
+            "ref": self.ref_model,
+            "teacher": self.teacher_model,
+            "old_actor": self.old_actor_model,
+        }
+        if self.role != "actor" or nets.get(model) is None:
+            raise ValueError(f"the {self.role} trainer has no {model!r} model")
+        self._before_log_probs(nets[model], samples, model)
+        return self._forward(nets[model], samples, model, with_entropy)
 
     def compute_values(self, samples: list[Sample]) -> PerSample:
+        """The critic's values at the response tokens of this rank's samples, as CPU fp32 tensors; no grad."""
+        if self.role != "critic":
+            raise ValueError("compute_values needs the critic trainer (role='critic')")
+        return self._forward(self.model, samples, "critic")[0]
+
+    def _forward(
+        self, net: Any, samples: list[Sample], model: str, with_entropy: bool = False
+    ) -> tuple[PerSample, PerSample | None]:
+        """Per-sample CPU fp32 outputs of ``net`` (``model``: "actor", "ref", "teacher", "old_actor" or "critic"):
+        log-probs (values for the critic) and, with ``with_entropy``, entropies; no grad; MoE routers replay or
+        record as the routing plan says."""
         raise NotImplementedError
+
+    def _before_log_probs(self, net: Any, samples: list[Sample], model: str) -> None:
+        """Called before a log-prob pass (the Megatron backend runs slime's before-log-prob hook here)."""
 
     def _reduce_sum(self, values: list[float]) -> list[float]:
         """Sum over the data-parallel ranks (each holds different samples)."""

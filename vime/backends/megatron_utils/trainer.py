@@ -275,32 +275,9 @@ class MegatronTrainer(TrainerBase):
         return weights.iter_weight_buckets(self.module, self.hf_vocab_size, buffer_bytes, self.dtype)
 
     # ------------------------------------------------------------------------------------------ forward only
-    def compute_log_probs(self, samples: list[Sample], model: str = "actor") -> PerSample:
-        """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"`` /
-        ``"old_actor"``), at ``--rollout-temperature``, as CPU fp32 tensors; no grad."""
-        return self.compute_log_probs_and_entropy(samples, model, with_entropy=False)[0]
-
-    def compute_log_probs_and_entropy(
-        self, samples: list[Sample], model: str = "actor", with_entropy: bool = True
-    ) -> tuple[PerSample, PerSample | None]:
-        """:meth:`compute_log_probs` and the entropy of each predicting distribution (``--use-rollout-entropy``)."""
-        nets = {
-            "actor": self.model,
-            "ref": self.ref_model,
-            "teacher": self.teacher_model,
-            "old_actor": self.old_actor_model,
-        }
-        if self.role != "actor" or nets.get(model) is None:
-            raise ValueError(f"the {self.role} trainer has no {model!r} model")
+    def _before_log_probs(self, net, samples: list[Sample], model: str) -> None:
         if self.before_log_prob_hook is not None:
-            self.before_log_prob_hook(self.args, nets[model], samples, model)
-        return self._forward(nets[model], samples, model, with_entropy)
-
-    def compute_values(self, samples: list[Sample]) -> PerSample:
-        """The critic's values at the response tokens of this rank's samples, as CPU fp32 tensors; no grad."""
-        if self.role != "critic":
-            raise ValueError("compute_values needs the critic trainer (role='critic')")
-        return self._forward(self.model, samples, "critic")[0]
+            self.before_log_prob_hook(self.args, net, samples, model)
 
     def _micro_batch_token_budget(self, forward_only: bool = False) -> int | None:
         """The token budget x CP: context parallelism spreads a micro-batch's row over the CP ranks."""
