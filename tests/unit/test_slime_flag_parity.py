@@ -3,10 +3,9 @@ its order; SGLang's are mirrored as ``--vllm-*``) fed to vime's parser, with the
 
 - ``accepted``: parsed with slime's meaning (the example value, plus any companion flags it needs, parses);
 - ``refused``: a parse error that names the flag and says why and what to use instead;
-- ``sglang``: refused too, but the flag configures SGLang's side (left out of the ratio, like ``--sglang-*``);
-- ``owned: issue N``: another issue's work; accepted once that lands, unknown until then (either is fine here).
+- ``sglang``: refused too, but the flag configures SGLang's side (left out of the ratio, like ``--sglang-*``).
 
-At least 90 % of the flags that are neither SGLang's nor owned elsewhere must be accepted.
+At least 90 % of the flags that are not SGLang's must be accepted.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import io
 
 import pytest
 
-from vime.utils.arguments import build_parser, parse_args
+from vime.utils.arguments import parse_args
 from vime.utils.refused_flags import REFUSED_SLIME_FLAGS
 
 # slime HEAD 624b824 (2026-08-21): flag -> (verdict, example arguments for accepted ones)
@@ -85,7 +84,7 @@ SLIME_FLAGS: dict[str, tuple[str, list[str]]] = {
     "--keep-old-actor": ("accepted", []),
     "--rollout-data-postprocess-path": ("accepted", ["x"]),
     "--rollout-data-transport": ("accepted", ["object-store"]),
-    "--rollout-external-engine-addrs": ("owned: issue 16 (the rollout fleet)", []),
+    "--rollout-external-engine-addrs": ("refused", []),
     "--use-fault-tolerance": ("accepted", []),
     "--rollout-health-check-interval": ("accepted", ["0.5"]),
     "--rollout-health-check-timeout": ("accepted", ["0.5"]),
@@ -283,7 +282,7 @@ def files(tmp_path_factory) -> dict[str, str]:
 def test_the_list_is_slimes_whole_own_flag_list():
     assert len(SLIME_FLAGS) == 223
     verdicts = {verdict.split(":")[0] for verdict, _ in SLIME_FLAGS.values()}
-    assert verdicts == {"accepted", "refused", "sglang", "owned"}
+    assert verdicts == {"accepted", "refused", "sglang"}
     refused = {flag for flag, (verdict, _) in SLIME_FLAGS.items() if verdict in ("refused", "sglang")}
     assert refused == set(
         REFUSED_SLIME_FLAGS
@@ -306,16 +305,6 @@ def test_refused_flags_fail_with_the_flag_and_the_reason(flag):
     assert message.startswith(f"argument {flag}: vime refuses this slime flag: it ")
     reason = message.split("vime refuses this slime flag: it ", 1)[1]
     assert len(reason) > 40 and ("drop it" in reason or " use " in reason or "instead" in reason), reason
-
-
-@pytest.mark.parametrize("flag", [f for f, (v, _) in SLIME_FLAGS.items() if v.startswith("owned")])
-def test_flags_owned_by_other_issues_are_implemented_or_unknown_never_half_there(flag):
-    parser = build_parser()
-    if flag in parser._option_string_actions:  # landed: then it must not be one of vime's refusals
-        assert flag not in REFUSED_SLIME_FLAGS
-        return
-    ok, err = _parse([*BASE, "--num-rollout", "1", flag])
-    assert not ok and f"unrecognized argument {flag}" in err
 
 
 def test_at_least_90_percent_of_the_non_sglang_flags_are_accepted():
