@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 3
 ENGINE_LINE = re.compile(
-    r"\[vime\] engine (\d): (\S+) on node (\w+) \((\S+)\), server pid (\d+) \(owned by actor pid (\d+)\)"
+    r"\[vime\] engine (\d) \(policy\): (\S+) on node (\w+) \((\S+)\), server pid (\d+) \(owned by actor pid (\d+)\)"
 )
 
 

@@ -27,6 +27,8 @@ class RayRolloutManager(RolloutManager):
         engines = self.engines + [
             engine for model_engines, _ in self.frozen.values() for engine in model_engines
         ]
+        if not engines:  # --debug-train-only / --load-debug-rollout-data start none
+            return []
         places = ray.get([engine.actor.where.remote() for engine in engines])
         return [place | {"model": spec.model} for place, spec in zip(places, self.specs, strict=True)]
 
@@ -52,7 +54,7 @@ def create_rollout_manager(
         if bundles.indices
         else None
     )
-    sizes = [spec.num_gpus for spec in engine_specs(serving_config(args))]
+    sizes = [] if args.debug_train_only else [spec.num_gpus for spec in engine_specs(serving_config(args))]
     launcher = NodeEngines(engine_placements(args, bundles, slots, sizes, keep_order=args.colocate))
     manager = RolloutManagerActor.options(scheduling_strategy=strategy).remote(
         args, log_dir, engine_extra_args, launcher
@@ -61,8 +63,7 @@ def create_rollout_manager(
     for slot, where in enumerate(ray.get(manager.describe_engines.remote())):
         print(
             f"[vime] engine {slot} ({where['model']}): {where['url']} on node {where['node_id']} ({where['node_ip']}), "
-            f"server pid "
-            f"{where['server_pid']} (owned by actor pid {where['actor_pid']})",
+            f"server pid {where['server_pid']} (owned by actor pid {where['actor_pid']})",
             flush=True,
         )
     return manager
