@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from vime.backends.vllm_utils import engine as engine_mod
+from vime.backends.vllm_utils import process_guard
 from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
 from vime.backends.vllm_utils.engine import (
     EngineStartError,
@@ -157,14 +158,27 @@ time.sleep(300)
 """
 
 
-@pytest.mark.parametrize("guard_killed_too", [False, True])
-def test_servers_die_with_their_launcher_even_when_it_is_sigkilled(tmp_path, guard_killed_too):
+# A server that hangs in its SIGTERM shutdown (as a vLLM API server can, once its engine core has died).
+HANGING_SERVER_SCRIPT = """
+import signal, subprocess, time
+child = subprocess.Popen(['sleep', '300'])
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize(
+    "server_script, guard_killed_too",
+    [(SERVER_SCRIPT, False), (SERVER_SCRIPT, True), (HANGING_SERVER_SCRIPT, True)],
+    ids=["launcher-killed", "guard-killed-too", "guard-killed-server-hangs"],
+)
+def test_servers_die_with_their_launcher_even_when_it_is_sigkilled(tmp_path, server_script, guard_killed_too):
     # The launcher is SIGKILLed, so nothing runs stop(); Ray also SIGKILLs a dead actor's direct children (the
-    # guard). Either way the whole group must go.
+    # guard). Either way the whole group must go, even a server that ignores the SIGTERM (the guard's watchdog).
     launcher_script = (
         "import sys, time\n"
         "from vime.backends.vllm_utils.engine import ServerProcess\n"
-        f"s = ServerProcess('fake', [sys.executable, '-c', {SERVER_SCRIPT!r}], {{}}, '127.0.0.1', 1, {str(tmp_path / 's.log')!r}, 60)\n"
+        f"s = ServerProcess('fake', [sys.executable, '-c', {server_script!r}], {{}}, '127.0.0.1', 1, {str(tmp_path / 's.log')!r}, 60)\n"
         "s.start()\nprint(s.proc.pid, flush=True)\ntime.sleep(300)\n"
     )
     launcher = subprocess.Popen([sys.executable, "-c", launcher_script], stdout=subprocess.PIPE, text=True)
@@ -177,7 +191,7 @@ def test_servers_die_with_their_launcher_even_when_it_is_sigkilled(tmp_path, gua
     if guard_killed_too:
         os.kill(group, signal.SIGKILL)
     launcher.wait()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + process_guard.GRACE_S + 20
     while _members(group) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _members(group) == []

@@ -40,13 +40,20 @@ def start_reaper() -> subprocess.Popen:
     )
 
 
-class _ParentDied(Exception):
-    """Raised by the SIGTERM handler: it interrupts the sleep at once and cannot deadlock (an Event.set() in a
-    signal handler can, on the lock that Event.wait() holds in the interrupted frame)."""
+class ParentDied(Exception):
+    """Raised by the SIGTERM handler :func:`arm_parent_death` installs: it interrupts any sleep at once and cannot
+    deadlock (an Event.set() in a signal handler can, on the lock that Event.wait() holds in the interrupted
+    frame)."""
 
 
 def _parent_died(signum: int, frame: object) -> None:
-    raise _ParentDied
+    raise ParentDied
+
+
+def arm_parent_death() -> None:
+    """Raise :class:`ParentDied` in the main thread when this process's parent dies (or it is SIGTERMed)."""
+    signal.signal(signal.SIGTERM, _parent_died)
+    term_on_parent_death()
 
 
 def main(argv: list[str]) -> int:
@@ -54,14 +61,13 @@ def main(argv: list[str]) -> int:
         print("usage: python -m vime.utils.reaper PID", file=sys.stderr)
         return 2
     parent = int(argv[0])
-    signal.signal(signal.SIGTERM, _parent_died)
-    term_on_parent_death()
+    arm_parent_death()
     noted: dict[int, float] = {}  # pid -> start time, of every descendant seen and still alive
     try:
         if os.getppid() != parent:  # it died before the death signal was armed
             return 1
         _note_descendants(parent, noted)
-    except _ParentDied:
+    except ParentDied:
         pass
     for pid, started in noted.items():
         if _same(pid, started):
@@ -74,7 +80,7 @@ def main(argv: list[str]) -> int:
 
 def _note_descendants(parent: int, noted: dict[int, float]) -> None:
     """Every :data:`INTERVAL_S` seconds, add ``parent``'s descendants to ``noted`` (and forget those that exited),
-    until ``parent`` is gone (or :class:`_ParentDied` interrupts)."""
+    until ``parent`` is gone (or :class:`ParentDied` interrupts)."""
     me = os.getpid()
     while True:
         for pid in [pid for pid, started in noted.items() if not _same(pid, started)]:

@@ -5,7 +5,10 @@ guard's own process group. When the launcher dies, even by SIGKILL (e.g. Ray tea
 after the driver was killed), Linux sends the guard SIGTERM (``PR_SET_PDEATHSIG``): it stops COMMAND, then kills
 whatever else is left in its process group (vLLM's engine core and workers are grandchildren that a killed API
 server leaves behind). It does the same cleanup when COMMAND exits by itself, and exits with COMMAND's code.
-If the guard itself is SIGKILLed, COMMAND still gets SIGTERM (it carries the same parent-death signal).
+If the guard itself is SIGKILLed (Ray does that to a dead actor's direct children), COMMAND still gets SIGTERM (it
+carries the same parent-death signal), and the guard's watchdog (``process_guard --watch GUARD_PID``, a child in a
+session of its own, so Ray does not reach it) SIGKILLs whatever of the guard's process group is still alive
+:data:`GRACE_S` seconds later: a vLLM server can hang in its SIGTERM shutdown and hold its GPU memory for hours.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ import time
 
 import psutil
 
-from vime.utils.reaper import term_on_parent_death
+from vime.utils.reaper import ParentDied, arm_parent_death, term_on_parent_death
 
 GRACE_S = 10.0
 
 
-def _group_members() -> list[psutil.Process]:
-    """Live processes of this process group other than the guard itself."""
-    me, group = os.getpid(), os.getpgrp()
+def _group_members(group: int) -> list[psutil.Process]:
+    """Live processes of process group ``group`` other than the caller."""
+    me = os.getpid()
     members = []
     for proc in psutil.process_iter(["status"]):
         try:
@@ -40,10 +43,13 @@ def _group_members() -> list[psutil.Process]:
     return members
 
 
-def _kill_group(grace_s: float) -> None:
-    """SIGTERM every other member of the group, SIGKILL those still alive after ``grace_s``."""
+def _kill_group(group: int, grace_s: float) -> int:
+    """SIGTERM every other member of ``group``, SIGKILL those still alive after ``grace_s``; return how many
+    members there were."""
+    found = 0
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        members = _group_members()
+        members = _group_members(group)
+        found = found or len(members)
         for proc in members:
             try:
                 proc.send_signal(sig)
@@ -51,10 +57,28 @@ def _kill_group(grace_s: float) -> None:
                 pass
         _, alive = psutil.wait_procs(members, timeout=wait_s)
         if not alive:
-            return
+            break
+    return found
+
+
+def watch(guard_pid: int) -> int:
+    """The watchdog: once the guard is gone, end what is left of its process group (nothing, when the guard
+    exited normally: it cleans up before exiting)."""
+    try:
+        arm_parent_death()
+        if os.getppid() == guard_pid:
+            while True:
+                time.sleep(3600)
+    except ParentDied:
+        pass
+    if left := _kill_group(guard_pid, GRACE_S):
+        print(f"[process_guard] the guard died; ended {left} processes left in its group", flush=True)
+    return 0
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--watch":
+        return watch(int(argv[1]))
     if len(argv) < 3 or argv[1] != "--":
         print(
             "usage: python -m vime.backends.vllm_utils.process_guard PARENT_PID -- COMMAND...",
@@ -64,6 +88,11 @@ def main(argv: list[str]) -> int:
     term_on_parent_death()
     if os.getppid() != int(argv[0]):  # the launcher died before the line above
         return 1
+    subprocess.Popen(
+        [sys.executable, "-m", __spec__.name, "--watch", str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # out of the group the guard ends (and out of Ray's reach when it kills the guard)
+    )
     # The command is SIGTERMed when the guard dies too: Ray SIGKILLs the direct children of a dead actor (the
     # guard), and a SIGTERMed vLLM server shuts its engine core down itself.
     child = subprocess.Popen(argv[2:], preexec_fn=term_on_parent_death)
@@ -80,7 +109,7 @@ def main(argv: list[str]) -> int:
         if kill_at and time.monotonic() > kill_at[0]:
             child.kill()
         time.sleep(0.2)
-    _kill_group(GRACE_S)
+    _kill_group(os.getpgrp(), GRACE_S)
     return returncode if returncode >= 0 else 128 - returncode
 
 
