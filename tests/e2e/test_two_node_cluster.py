@@ -31,6 +31,8 @@ from conftest import (
     wait_until_no_marked_processes,
 )
 
+from vime.utils.process_group import group_members
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 3
@@ -73,8 +75,9 @@ def _ancestors(pid: int) -> list[int]:
 def _kill_actor_then_find_its_successor(
     engines: dict, node_id: str, log_dir: Path, marker: str, done: threading.Event
 ) -> dict:
-    """Once rollout 0 is logged, SIGKILL the engine actor on node ``node_id``; then find the actor that replaces it
-    (a new engine actor with a server under it) and its process chain."""
+    """Once rollout 0 is logged, hang the server of the engine on node ``node_id`` (SIGSTOP its API server and
+    engine core) and SIGKILL its actor; note when the hung processes are gone, then find the actor that replaces
+    it (a new engine actor with a server under it), its process chain, and when its server started."""
     found: dict = {}
     metrics = log_dir / "metrics.jsonl"
     while not done.is_set() and not (metrics.is_file() and metrics.read_text().strip()):
@@ -82,8 +85,17 @@ def _kill_actor_then_find_its_successor(
     if done.is_set():
         return found
     slot, engine = next((slot, e) for slot, e in engines.items() if e["node_id"] == node_id)
+    hung = [
+        p for p in group_members(engine["server_pid"]) if p.pid != engine["server_pid"]
+    ]  # server, engine core
+    for proc in hung:
+        proc.suspend()
     os.kill(engine["actor_pid"], signal.SIGKILL)
-    found.update(slot=slot, killed=engine["actor_pid"])
+    found.update(slot=slot, killed=engine["actor_pid"], hung=len(hung))
+    deadline = time.monotonic() + 60
+    while group_members(engine["server_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    found["hung_gone_at"] = time.time()
     old = {e["actor_pid"] for e in engines.values()}
     while not done.is_set():
         for proc in psutil.process_iter(["cmdline"]):
@@ -96,7 +108,9 @@ def _kill_actor_then_find_its_successor(
                 ):
                     actor = proc.parents()[1]  # server -> process guard -> actor
                     if actor.name().startswith("ray::NodeEngine") and actor.pid not in old:
-                        found.update(actor_pid=actor.pid, chain=_ancestors(actor.pid))
+                        found.update(
+                            actor_pid=actor.pid, chain=_ancestors(actor.pid), started=proc.create_time()
+                        )
                         return found
             except (psutil.Error, IndexError):
                 pass
@@ -146,6 +160,8 @@ def test_one_engine_per_node_owned_there_synced_and_restarted_there(tiny_model_d
     # the second node's engine, its actor killed, was restarted by a new actor on that node, and served again
     replaced = restart.result()
     assert "chain" in replaced, replaced
+    # its hung server was ended (from a task on its node) before the replacement's server started
+    assert replaced["hung"] >= 1 and replaced["hung_gone_at"] < replaced["started"] + 0.5, replaced
     assert _raylet_pid(nodes[1]) in replaced["chain"] and _raylet_pid(nodes[0]) not in replaced["chain"], (
         replaced
     )

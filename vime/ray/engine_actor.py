@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.ray.placement_group import EnginePlacement
+from vime.utils.process_group import end_group
 from vime.utils.vllm_config import EngineSpec
 
 # How long a call to a live engine actor may take before the engine counts as unreachable (a health probe).
@@ -51,18 +52,27 @@ class NodeEngine(VLLMEngine):
 EngineActor = ray.remote(num_cpus=0, max_concurrency=4)(NodeEngine)
 
 
+@ray.remote(num_cpus=0)
+def _end_server_group(group: int, grace_s: float) -> list[int]:
+    """On an engine's node: end what is left of its server's process group; the pids that survived."""
+    return end_group(group, grace_s, kill_wait_s=10.0)[1]
+
+
 class RemoteEngine:
     """The rollout manager's handle on an engine owned by an :data:`EngineActor`. A dead actor counts as a dead
-    engine (its server went with it: the process guard)."""
+    engine; stopping one ends what is left of its server there (Ray SIGKILLs the actor's process guard, and a vLLM
+    server can hang in the SIGTERM that follows, holding the GPU its replacement needs)."""
 
     def __init__(self, actor: ray.actor.ActorHandle, placement: EnginePlacement, log_path: Path):
         self.actor = actor
         self.placement = placement
         self.log_path = log_path
         self.url: str = ray.get(actor.address.remote())
+        self.server_group: int | None = None  # the server's process group on its node, once started
 
     def start(self) -> RemoteEngine:
         ray.get(self.actor.launch.remote())
+        self.server_group = ray.get(self.actor.where.remote())["server_pid"]
         return self
 
     def wait_ready_sync(self, timeout: float | None = None) -> float:
@@ -84,8 +94,19 @@ class RemoteEngine:
         """Stop the server, then the actor (killing the actor alone would also end the server, less gently)."""
         try:
             ray.get(self.actor.stop.remote(grace_s))
-        except ray.exceptions.RayActorError:
-            pass  # the actor died, and its server with it
+        except (
+            ray.exceptions.RayActorError
+        ):  # the actor died: end its server's leftovers from a task on its node
+            if self.server_group is not None:
+                strategy = PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement.group,
+                    placement_group_bundle_index=self.placement.bundle_index,
+                )
+                left = ray.get(
+                    _end_server_group.options(scheduling_strategy=strategy).remote(self.server_group, grace_s)
+                )
+                if left:
+                    raise RuntimeError(f"engine {self.url}: processes {left} survived SIGKILL") from None
         finally:
             ray.kill(self.actor)
 

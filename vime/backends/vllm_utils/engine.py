@@ -16,7 +16,6 @@ import atexit
 import ipaddress
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import psutil
 from vime.backends.vllm_utils import control_auth, process_guard
 from vime.utils.misc import free_port
 from vime.utils.passthrough_args import passthrough_cli_args
+from vime.utils.process_group import end_group, group_members
 from vime.utils.vllm_config import EngineSpec
 
 # On CPU, with no explicit KV-cache size vLLM reserves --gpu-memory-utilization (0.92) of the NUMA node's RAM
@@ -252,10 +252,11 @@ class ServerProcess:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after ``grace_s``; return once none is alive.
         Idempotent."""
-        if self.proc is not None and not self._stopped and not self._group_gone(signal.SIGTERM, grace_s):
-            if not self._group_gone(signal.SIGKILL, 10.0):
-                left = [p.pid for p in self.live_processes()]
+        if self.proc is not None and not self._stopped:
+            _, left = end_group(self.proc.pid, grace_s, kill_wait_s=10.0)
+            if left:
                 raise RuntimeError(f"{self.name} at {self.url}: processes {left} survived SIGKILL")
+            self.proc.wait(timeout=5)  # reap the leader (the process guard)
         self._stopped = True
         if self._log_file is not None:
             self._log_file.close()
@@ -264,31 +265,7 @@ class ServerProcess:
 
     def live_processes(self) -> list[psutil.Process]:
         """Live (non-zombie) processes in the server's process group (its pgid is the leader's pid)."""
-        if self.proc is None:
-            return []
-        members = []
-        for proc in psutil.process_iter(["status"]):
-            try:
-                if os.getpgid(proc.pid) == self.proc.pid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                    members.append(proc)
-            except (ProcessLookupError, psutil.Error):
-                pass
-        return members
-
-    def _group_gone(self, sig: signal.Signals, wait_s: float) -> bool:
-        """Send ``sig`` to the group; True once no member is alive (within ``wait_s`` seconds)."""
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + wait_s
-        while True:
-            if not self.live_processes():
-                self.proc.wait(timeout=5)  # reap the leader (now dead or a zombie)
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
+        return [] if self.proc is None else group_members(self.proc.pid)
 
     def __enter__(self) -> ServerProcess:
         """Start (if not yet started); the ``with`` block still has to wait for readiness."""

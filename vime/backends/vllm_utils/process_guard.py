@@ -19,46 +19,10 @@ import subprocess
 import sys
 import time
 
-import psutil
-
+from vime.utils.process_group import end_group
 from vime.utils.reaper import ParentDied, arm_parent_death, term_on_parent_death
 
 GRACE_S = 10.0
-
-
-def _group_members(group: int) -> list[psutil.Process]:
-    """Live processes of process group ``group`` other than the caller."""
-    me = os.getpid()
-    members = []
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if (
-                proc.pid != me
-                and os.getpgid(proc.pid) == group
-                and proc.info["status"] != psutil.STATUS_ZOMBIE
-            ):
-                members.append(proc)
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return members
-
-
-def _kill_group(group: int, grace_s: float) -> int:
-    """SIGTERM every other member of ``group``, SIGKILL those still alive after ``grace_s``; return how many
-    members there were."""
-    found = 0
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        members = _group_members(group)
-        found = found or len(members)
-        for proc in members:
-            try:
-                proc.send_signal(sig)
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(members, timeout=wait_s)
-        if not alive:
-            break
-    return found
 
 
 def watch(guard_pid: int) -> int:
@@ -71,8 +35,9 @@ def watch(guard_pid: int) -> int:
                 time.sleep(3600)
     except ParentDied:
         pass
-    if left := _kill_group(guard_pid, GRACE_S):
-        print(f"[process_guard] the guard died; ended {left} processes left in its group", flush=True)
+    left, _ = end_group(guard_pid, GRACE_S)
+    if left:
+        print(f"[process_guard] the guard died; ended the {left} processes left in its group", flush=True)
     return 0
 
 
@@ -109,7 +74,7 @@ def main(argv: list[str]) -> int:
         if kill_at and time.monotonic() > kill_at[0]:
             child.kill()
         time.sleep(0.2)
-    _kill_group(os.getpgrp(), GRACE_S)
+    end_group(os.getpgrp(), GRACE_S)
     return returncode if returncode >= 0 else 128 - returncode
 
 
