@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-import ray
-
 from vime.ray.run import start_run
 from vime.utils.arguments import parse_args
 
@@ -24,7 +22,7 @@ def main(args) -> None:
             if run.should_eval(rollout_id):
                 run.evaluate(rollout_id)
             started = time.monotonic()
-            batch = ray.get(run.generate(rollout_id))
+            batch = run.wait_rollout(run.generate(rollout_id))
             metrics = {**batch.metrics, "time/rollout_s": time.monotonic() - started}
             metrics |= run.train(rollout_id, batch)
             if run.should_save(rollout_id):

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import time
 
-import ray
-
 from vime.ray.run import start_run
 from vime.utils.arguments import parse_args
 
@@ -30,7 +28,7 @@ def main(args) -> None:
             if run.should_eval(rollout_id):
                 run.evaluate(rollout_id)
             step_started = time.monotonic()
-            batch = ray.get(next_rollout)
+            batch = run.wait_rollout(next_rollout)
             metrics = {**batch.metrics, "time/rollout_wait_s": time.monotonic() - step_started}
             next_rollout = None
             if rollout_id + 1 < args.num_rollout:  # trained after this step's weight push, if there is one
@@ -41,7 +39,7 @@ def main(args) -> None:
                 run.save(rollout_id)
             if (rollout_id + 1) % args.update_weights_interval == 0:
                 if next_rollout is not None:
-                    ray.wait([next_rollout])  # never change weights in the middle of a rollout
+                    run.wait_rollout(next_rollout)  # never change weights in the middle of a rollout
                 metrics |= run.sync_weights()
             run.tracker.log(rollout_id, {**metrics, "time/step_s": time.monotonic() - step_started})
         if run.should_eval(args.num_rollout):

@@ -49,7 +49,7 @@ def _kill_in_sync(marker: str, hold_dir: Path, done: threading.Event, killed: li
     (hold_dir / "hold_2").unlink(missing_ok=True)
 
 
-SERVERS = {"engine": (2, "vllm.entrypoints.openai.api_server"), "router": (1, "vllm::router")}
+SERVERS = {"engine": "vllm.entrypoints.openai.api_server", "router": "vllm::router"}
 
 
 def _signal_mid_rollout(
@@ -58,12 +58,13 @@ def _signal_mid_rollout(
     done: threading.Event,
     killed: list,
     signals: tuple[tuple[str, signal.Signals], ...],
+    num_engines: int,
 ) -> None:
     """Find the engines' API servers and the router, then signal one of each target (``signals``: target, signal)
     right after rollout 0 is logged (rollout 1 is generating)."""
     pids: dict[str, list[int]] = {}
     for target, _ in signals:
-        count, name = SERVERS[target]
+        count, name = num_engines if target == "engine" else 1, SERVERS[target]
         while not done.is_set() and len(pids.get(target, [])) < count:
             pids[target] = [
                 int(line.split(" ", 1)[0])
@@ -82,16 +83,26 @@ def _signal_mid_rollout(
 
 
 @pytest.mark.parametrize(
-    ("script", "signals"),
+    ("script", "signals", "num_engines"),
     [
-        ("train.py", (("engine", signal.SIGKILL),)),
-        ("train_async.py", (("engine", signal.SIGKILL),)),
-        ("train.py", (("router", signal.SIGKILL), ("engine", signal.SIGSTOP))),  # both at once
-        ("train.py", "in-sync"),
+        ("train.py", (("engine", signal.SIGKILL),), 2),
+        ("train_async.py", (("engine", signal.SIGKILL),), 2),
+        ("train.py", (("router", signal.SIGKILL), ("engine", signal.SIGSTOP)), 2),  # both at once
+        ("train.py", "in-sync", 2),
+        # no engine left to finish the rollout: the replacement gets the weights during it
+        ("train.py", (("engine", signal.SIGKILL),), 1),
     ],
-    ids=["engine-killed", "engine-killed-async", "router-killed-and-engine-hung", "engine-killed-in-sync"],
+    ids=[
+        "engine-killed",
+        "engine-killed-async",
+        "router-killed-and-engine-hung",
+        "engine-killed-in-sync",
+        "only-engine-killed",
+    ],
 )
-def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(tiny_model_dir, tmp_path, script, signals):
+def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
+    tiny_model_dir, tmp_path, script, signals, num_engines
+):
     marker = f"ft-{os.getpid()}-{time.time_ns()}"
     log_dir = tmp_path / "logs"
     argv = [
@@ -99,7 +110,7 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(tiny_model_dir,
         "--prompt-data", str(tiny_model_dir / "train.jsonl"), "--rm-type", "exact",
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "96",
         "--rollout-function-path", "bench.fixed_length.generate_rollout",
-        "--num-rollout", str(NUM_ROLLOUT), "--lr", "1e-3", "--rollout-num-gpus", "2",
+        "--num-rollout", str(NUM_ROLLOUT), "--lr", "1e-3", "--rollout-num-gpus", str(num_engines),
         "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "3",
         "--save-debug-rollout-data", str(tmp_path / "rollouts" / "rollout_{rollout_id}.json"),
         "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "160",
@@ -112,7 +123,9 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(tiny_model_dir,
         (hold_dir / "hold_2").touch()
         killer = threading.Thread(target=_kill_in_sync, args=(marker, hold_dir, done, killed))
     else:
-        killer = threading.Thread(target=_signal_mid_rollout, args=(marker, log_dir, done, killed, signals))
+        killer = threading.Thread(
+            target=_signal_mid_rollout, args=(marker, log_dir, done, killed, signals, num_engines)
+        )
     killer.start()
     try:
         result = subprocess.run(

@@ -282,6 +282,13 @@ def test_colocate_defaults_to_sleeping_engines_and_the_tensor_transport():
     assert args.rollout_num_gpus == args.actor_num_nodes * args.actor_num_gpus_per_node
 
 
+@pytest.mark.parametrize("layout", [["--colocate"], ["--offload-rollout"], ["--offload"]])
+def test_fault_tolerance_is_refused_for_sleeping_engines(layout, capsys):
+    error = _error_of(BASE + layout + ["--use-fault-tolerance"], capsys)
+    assert "--use-fault-tolerance restarts engines that have GPUs of their own" in error
+    assert parse_args(BASE + ["--use-fault-tolerance", "--offload-train"]).use_fault_tolerance
+
+
 def test_help_lists_groups_and_points_to_passthrough_help(parser):
     text = parser.format_help()
     for title in ("cluster:", "rollout:", "algorithm:", "weight sync:", "megatron: model shape:"):

@@ -95,6 +95,18 @@ def test_a_replacement_the_sync_did_not_reach_waits_for_the_next(router):
     assert router[-1] == ("add", made[0].url) and monitor.waiting_for_weights == set()
 
 
+def test_replacements_are_stranded_only_when_no_engine_is_left_to_serve(router):
+    engines = [FakeEngine("e0"), FakeEngine("e1", alive=False)]
+    monitor, made = _monitor(engines)
+    monitor.ensure_healthy()
+    assert monitor.stranded() == []  # e0 still serves: the replacement waits for the next sync
+    engines[0].alive = False
+    monitor.ensure_healthy()
+    assert monitor.stranded() == [made[1].url, made[0].url]  # slot order
+    monitor.admit_synced(monitor.stranded())
+    assert monitor.stranded() == [] and monitor.waiting_for_weights == set()
+
+
 def test_a_restarted_router_gets_only_live_engines_and_the_dead_one_is_then_replaced(router, monkeypatch):
     """A router and an engine fail together: vllm-router's POST /workers would wait for a hung engine to become
     healthy, so the restarted router gets the live engines only; the hung one is replaced in the same check."""

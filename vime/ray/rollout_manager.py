@@ -22,6 +22,17 @@ class RayRolloutManager(RolloutManager):
         see :meth:`RolloutManager.generate`)."""
         return make_batch(self.args, self.generate(rollout_id, train_version), dp_sizes)
 
+    # Answered while a rollout runs (their own thread: the "fault" concurrency group).
+    @ray.method(concurrency_group="fault")
+    def stranded_engines(self) -> list[str]:
+        """``--use-fault-tolerance``: the replacement engines waiting for weights when no engine is left to serve."""
+        return self.monitor.stranded() if self.monitor is not None else []
+
+    @ray.method(concurrency_group="fault")
+    def admit_engines(self, urls: list[str]) -> None:
+        """Replacements that got the current weights outside a sync rejoin the router."""
+        self.monitor.admit_synced(urls)
+
     def describe_engines(self) -> list[dict]:
         """Where each engine runs (``NodeEngine.where``, and the model it serves), in slot order."""
         engines = self.engines + [
@@ -34,7 +45,7 @@ class RayRolloutManager(RolloutManager):
 
 
 # Engines run on their bundles' nodes, each owned by its own actor (vime.ray.engine_actor).
-RolloutManagerActor = ray.remote(num_cpus=0)(RayRolloutManager)
+RolloutManagerActor = ray.remote(num_cpus=0, concurrency_groups={"fault": 1})(RayRolloutManager)
 
 
 def create_rollout_manager(

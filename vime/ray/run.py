@@ -73,6 +73,7 @@ class Run:
     log_dir: Path
     start_rollout_id: int
     weight_version: int = 0
+    trained_since_sync: bool = False  # the actor's weights are ahead of the engines' version (train_async.py)
 
     @property
     def has_engines(self) -> bool:
@@ -90,6 +91,26 @@ class Run:
         dp_sizes = tuple(group.dp_size for group in (self.actor, self.critic) if group is not None)
         train_version = self.weight_version + int(sync_before_train and self.syncs_weights)
         return self.manager.generate_batch.remote(rollout_id, dp_sizes, train_version)
+
+    def wait_rollout(self, rollout: ray.ObjectRef) -> RolloutBatch:
+        """Wait for a rollout from :meth:`generate`. With ``--use-fault-tolerance``, meanwhile: once no engine is
+        left to serve (each is a replacement waiting for weights, as after the death of a run's only engine), give
+        them the weights now, since the sync after this rollout would never come. The actor's weights are the
+        engines' version, pushed to the replacements alone; or, when the actor has trained since (train_async.py),
+        a new version pushed by a whole sync (no engine serves the old one any more)."""
+        if self.args.use_fault_tolerance and self.syncs_weights:
+            while not ray.wait([rollout], timeout=self.args.rollout_health_check_interval)[0]:
+                if not (urls := ray.get(self.manager.stranded_engines.remote())):
+                    continue
+                print(
+                    f"[vime] no engine left to serve the rollout; giving the replacements {urls} the weights now"
+                )
+                if self.trained_since_sync:
+                    self.sync_weights()
+                else:
+                    self.actor.sync_weights(urls, self.weight_version, self._sync_dir())
+                    ray.get(self.manager.admit_engines.remote(urls))
+        return ray.get(rollout)
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """Train the critic (ppo) and, after ``--num-critic-only-steps``, the actor on one rollout."""
@@ -114,6 +135,7 @@ class Run:
             metrics |= {
                 f"train/{k}": v for k, v in self.actor.train(rollout_id, batch, **actor_inputs).items()
             }
+            self.trained_since_sync = True
         if critic_futures:
             metrics |= {f"critic/{k}": v for k, v in ray.get(critic_futures)[0].items()}
         metrics["time/train_s"] = time.monotonic() - started
@@ -173,7 +195,8 @@ class Run:
             return {}
         started = time.monotonic()
         self.weight_version += 1
-        sync_dir = self.args.update_weight_dir or str(self.log_dir / "weight_sync")  # the disk transport's
+        self.trained_since_sync = False
+        sync_dir = self._sync_dir()
         ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
         ray.get(self.manager.before_weight_update.remote())  # until set_weight_version
         metrics, synced = self._push_weights(sync_dir)
@@ -190,6 +213,10 @@ class Run:
             )
         ray.get(self.manager.set_weight_version.remote(self.weight_version, synced))
         return {**metrics, "time/sync_s": time.monotonic() - started}
+
+    def _sync_dir(self) -> str:
+        """The disk transport's directory."""
+        return self.args.update_weight_dir or str(self.log_dir / "weight_sync")
 
     def _push_weights(self, sync_dir: str) -> tuple[dict[str, float], list[str]]:
         """The actor's weights to every engine (metrics, and the engines that got them); with

@@ -242,10 +242,11 @@ async def _request(
             except RolloutError as exc:
                 # the samples are unchanged (the failed attempt appended nothing): sending the request again
                 # generates each of them once
-                give_up_at = give_up_at or time.monotonic() + ctx.retry_window_s
+                if give_up_at is None:  # its first failure: counted once, however many tries it takes
+                    give_up_at = time.monotonic() + ctx.retry_window_s
+                    ctx.requeued_samples += len(samples)
                 if time.monotonic() >= give_up_at:
                     raise
-                ctx.requeued_samples += len(samples)
                 logger.warning("request for %d sample(s) failed (%s); sending it again", len(samples), exc)
                 await asyncio.sleep(1.0)
                 if ctx.aborting:

@@ -277,6 +277,12 @@ def _check_cluster(args: argparse.Namespace) -> None:
         raise ValueError(
             "--update-weight-transport tensor (CUDA IPC) needs --colocate; use distributed or disk"
         )
+    if args.use_fault_tolerance and args.offload_rollout:
+        raise ValueError(
+            "--use-fault-tolerance restarts engines that have GPUs of their own: with --colocate / --offload-rollout "
+            "the engines sleep while the trainer trains, and restarting one beside the trainer's memory is not built "
+            "yet. Drop --colocate (engines on --rollout-num-gpus GPUs of their own) or drop --use-fault-tolerance"
+        )
 
 
 def _check_data(args: argparse.Namespace) -> None:

@@ -7,7 +7,9 @@ taken out of the router at once, stopped (its process group killed), and a new e
 (the same GPUs; on a cluster a new actor in the same bundle: an engine whose actor died counts as dead) on a new
 port. The new engine holds the initial weights, so it stays out of the router until a weight sync has given it the
 current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests that were in
-flight on the dead one are sent again by the rollout (``vime.rollout.vllm_generate``). An engine that dies more
+flight on the dead one are sent again by the rollout (``vime.rollout.vllm_generate``). When no engine is left to
+serve (a run with one engine), the replacements are :meth:`EngineMonitor.stranded`: the driver gives them the current
+weights during the rollout (``vime.ray.run.Run.wait_rollout``) instead of at the next sync, which would never come. An engine that dies more
 than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router that vime started and that
 dies is restarted on its address with every admitted engine.
 """
@@ -89,6 +91,14 @@ class EngineMonitor:
         if urls:
             run(register_workers(self.router_url, urls))
             logger.info("engines %s rejoined the router with the current weights", urls)
+
+    def stranded(self) -> list[str]:
+        """The replacements' URLs when every engine waits for weights (none is left to serve the rollout); else
+        none."""
+        with self.lock:
+            if len(self.waiting_for_weights) < len(self.engines):
+                return []
+            return [engine.url for engine in self.engines]
 
     def ensure_healthy(self) -> None:
         """Check every engine now and replace the dead ones (before a weight sync, so it reaches live engines)."""
