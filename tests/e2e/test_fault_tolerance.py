@@ -91,6 +91,7 @@ def _signal_mid_rollout(
         ("train.py", "in-sync", 2),
         # no engine left to finish the rollout: the replacement gets the weights during it
         ("train.py", (("engine", signal.SIGKILL),), 1),
+        ("train_async.py", (("engine", signal.SIGKILL),), 1),  # and the actor is a version ahead
     ],
     ids=[
         "engine-killed",
@@ -98,6 +99,7 @@ def _signal_mid_rollout(
         "router-killed-and-engine-hung",
         "engine-killed-in-sync",
         "only-engine-killed",
+        "only-engine-killed-async",
     ],
 )
 def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(

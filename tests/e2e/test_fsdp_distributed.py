@@ -190,12 +190,18 @@ def run_train(args, rank: int, out: Path) -> None:
 
 
 def worker_main(mode: str, args_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
     from vime.utils.distributed import init_distributed
 
     init_distributed()
     rank = int(os.environ["RANK"])
     args = pickle.loads(Path(args_file).read_bytes())
     {"checks": run_checks, "train": run_train}[mode](args, rank, Path(out_dir))
+    # both ranks are done before either tears gloo down (left to interpreter exit, a rank could abort:
+    # "terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------- the tests

@@ -29,8 +29,10 @@ class RayRolloutManager(RolloutManager):
         return self.monitor.stranded() if self.monitor is not None else []
 
     @ray.method(concurrency_group="fault")
-    def admit_engines(self, urls: list[str]) -> None:
-        """Replacements that got the current weights outside a sync rejoin the router."""
+    def admit_engines(self, urls: list[str], version: int) -> None:
+        """Replacements pushed weight version ``version`` outside a sync (the rollout's only engines now) rejoin
+        the router; new samples are stamped with that version."""
+        self.args.weight_version = version
         self.monitor.admit_synced(urls)
 
     def describe_engines(self) -> list[dict]:

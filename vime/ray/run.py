@@ -94,22 +94,22 @@ class Run:
 
     def wait_rollout(self, rollout: ray.ObjectRef) -> RolloutBatch:
         """Wait for a rollout from :meth:`generate`. With ``--use-fault-tolerance``, meanwhile: once no engine is
-        left to serve (each is a replacement waiting for weights, as after the death of a run's only engine), give
-        them the weights now, since the sync after this rollout would never come. The actor's weights are the
-        engines' version, pushed to the replacements alone; or, when the actor has trained since (train_async.py),
-        a new version pushed by a whole sync (no engine serves the old one any more)."""
+        left to serve (each is a replacement waiting for weights, as after the death of a run's only engine), push
+        the actor's weights to them now, since the sync after this rollout would never come. They are the engines'
+        version, or the next one when the actor has trained since the last sync (train_async.py): no engine serves
+        the old version any more, and the samples are stamped with the version they come from."""
         if self.args.use_fault_tolerance and self.syncs_weights:
             while not ray.wait([rollout], timeout=self.args.rollout_health_check_interval)[0]:
                 if not (urls := ray.get(self.manager.stranded_engines.remote())):
                     continue
                 print(
-                    f"[vime] no engine left to serve the rollout; giving the replacements {urls} the weights now"
+                    f"[vime] no engine left to serve the rollout; pushing the weights to the replacements {urls}"
                 )
                 if self.trained_since_sync:
-                    self.sync_weights()
-                else:
-                    self.actor.sync_weights(urls, self.weight_version, self._sync_dir())
-                    ray.get(self.manager.admit_engines.remote(urls))
+                    self.weight_version += 1
+                    self.trained_since_sync = False
+                self.actor.sync_weights(urls, self.weight_version, self._sync_dir())
+                ray.get(self.manager.admit_engines.remote(urls, self.weight_version))
         return ray.get(rollout)
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
