@@ -1,8 +1,8 @@
 """``--use-fault-tolerance`` on GPUs (issue 16): while rollout 1 generates, the engine's vLLM API server is
 SIGKILLed (``server-killed``), or it hangs (SIGSTOP) and the Ray actor that owns it is SIGKILLed
 (``actor-killed-server-hung``: Ray then SIGKILLs the actor's process guard, and the rollout manager ends the hung
-server and its engine core from a task on their node). Either way the replacement starts on the same GPU and asks for most of its memory,
-so it starts only if the dead engine's memory was given back. The run must finish every rollout with each prompt
+server and its engine core from a task on their node). Either way the replacement starts on the same GPU and asks
+for most of its memory, so it starts only if the dead engine's memory was given back. The run must finish every rollout with each prompt
 trained once, the replacement's log-probs equal to the trainer's, and no process left.
 
 Split layout (trainer on GPU 0, engine on GPU 1, NCCL sync), so 2 GPUs (``nvidia-h200-x2``): vime refuses

@@ -94,9 +94,8 @@ class RemoteEngine:
         """Stop the server, then the actor (killing the actor alone would also end the server, less gently)."""
         try:
             ray.get(self.actor.stop.remote(grace_s))
-        except (
-            ray.exceptions.RayActorError
-        ):  # the actor died: end its server's leftovers from a task on its node
+        except ray.exceptions.RayActorError:
+            # the actor died: end what is left of its server from a task on its node
             if self.server_group is not None:
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self.placement.group,

@@ -83,10 +83,9 @@ def _note_descendants(parent: int, noted: dict[int, float]) -> None:
     until ``parent`` is gone (or :class:`ParentDied` interrupts)."""
     me = os.getpid()
     while True:
+        # one by one: an interruption leaves at most an exited entry (skipped when killing)
         for pid in [pid for pid, started in noted.items() if not _same(pid, started)]:
-            del noted[
-                pid
-            ]  # one by one: an interruption leaves at most an exited entry (skipped when killing)
+            del noted[pid]
         try:
             process = psutil.Process(parent)
             if process.status() == psutil.STATUS_ZOMBIE:

@@ -8,10 +8,10 @@ taken out of the router at once, stopped (its process group killed), and a new e
 port. The new engine holds the initial weights, so it stays out of the router until a weight sync has given it the
 current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests that were in
 flight on the dead one are sent again by the rollout (``vime.rollout.vllm_generate``). When no engine is left to
-serve (a run with one engine), the replacements are :meth:`EngineMonitor.stranded`: the driver gives them the current
-weights during the rollout (``vime.ray.run.Run.wait_rollout``) instead of at the next sync, which would never come. An engine that dies more
-than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router that vime started and that
-dies is restarted on its address with every admitted engine.
+serve (a run with one engine), the replacements are :meth:`EngineMonitor.stranded`: the driver gives them the
+weights during the rollout (``vime.ray.run.Run.wait_rollout``) instead of at the next sync, which would never come.
+An engine that dies more than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router
+that vime started and that dies is restarted on its address with every admitted engine.
 """
 
 from __future__ import annotations
