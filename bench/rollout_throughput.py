@@ -6,9 +6,11 @@ Three ways to generate the same prompts (``--prompts`` groups of ``--n-samples``
 (a) offline: ``vllm.LLM.generate`` in this process, all prompts in one call (``--offline-without-logprobs``: also
     without log-probs, for reference);
 (b) direct: a vLLM server as vime launches it, driven by a bare asyncio client (one ``n``-sample request per
-    group, ``--rollout-concurrency`` requests in flight), no router, no vime;
+    group, ``--rollout-concurrency`` requests in flight), no router, no vime; then the same client through
+    vllm-router (what the router costs);
 (c) vime: the same server behind vllm-router, through vime's rollout (``RolloutManager.generate`` with the default
-    rollout, EOS ignored by ``bench/fixed_length.py``: groups, per-sample status and log-probs, rewards, the buffer).
+    rollout, EOS ignored by ``bench/fixed_length.py``: groups, per-sample status and log-probs, rewards, the buffer);
+    ``--sample-seeds``: also with ``--rollout-sample-seeds`` (what per-request seeds cost).
 
 Each side gets one warm-up batch, then ``--repeats`` timed batches; medians are reported. CPU (tiny model):
 
@@ -27,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
@@ -118,30 +121,40 @@ async def drive_directly(url: str, model: str, prompt_ids: list[list[int]], opts
         return tokens / (time.perf_counter() - started)
 
 
-def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> tuple[list[float], list[float]]:
-    """(direct, vime) rates against one server: the bare client first, then vime's rollout through the router."""
+def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> dict[str, list[float]]:
+    """Rates of each side against one server: the bare client to the engine and through the router, then vime's
+    rollout (and with ``--sample-seeds`` vime's rollout with per-request seeds)."""
     from vime.rollout.rollout_manager import RolloutManager
     from vime.utils.async_utils import run
 
     manager = RolloutManager(args, log_dir)
-    direct, via_vime = [], []
+    rates: dict[str, list[float]] = {}
+
+    def timed(side: str, batch: Callable[[int], float]) -> None:
+        rates[side] = [batch(i) for i in range(opts.repeats + 1)][1:]  # the first batch is warm-up
+
+    def vime_batch(i: int) -> float:
+        started = time.perf_counter()
+        output = manager.generate(i)
+        elapsed = time.perf_counter() - started
+        return sum(s.response_length for g in output.samples for s in g) / elapsed
+
     try:
         manager.start()
-        url = manager.engines[0].url
-        for i in range(opts.repeats + 1):
-            rate = run(drive_directly(url, args.hf_checkpoint, prompt_ids, opts))
-            if i:
-                direct.append(rate)
-        for i in range(opts.repeats + 1):
-            started = time.perf_counter()
-            output = manager.generate(i)
-            elapsed = time.perf_counter() - started
-            tokens = sum(s.response_length for g in output.samples for s in g)
-            if i:
-                via_vime.append(tokens / elapsed)
+        model = args.hf_checkpoint
+        engine_url, router_url = (
+            manager.engines[0].url,
+            f"http://{args.vllm_router_ip}:{args.vllm_router_port}",
+        )
+        timed("direct", lambda i: run(drive_directly(engine_url, model, prompt_ids, opts)))
+        timed("direct_via_router", lambda i: run(drive_directly(router_url, model, prompt_ids, opts)))
+        timed("vime", vime_batch)
+        if opts.sample_seeds:
+            args.rollout_sample_seeds = True
+            timed("vime_sample_seeds", vime_batch)
     finally:
         manager.shutdown()
-    return direct, via_vime
+    return rates
 
 
 def main() -> None:
@@ -162,6 +175,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument(
         "--offline-without-logprobs", action="store_true", help="also time offline without log-probs"
+    )
+    parser.add_argument(
+        "--sample-seeds", action="store_true", help="also time vime with --rollout-sample-seeds (GPU only)"
     )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
@@ -185,8 +201,8 @@ def main() -> None:
     offline_no_logprobs = (
         bench_offline(opts, model_dir, prompt_ids, logprobs=None) if opts.offline_without_logprobs else []
     )
-    direct, via_vime = bench_served(args, prompt_ids, opts, work / "logs")
-    med = {k: statistics.median(v) for k, v in [("offline", offline), ("direct", direct), ("vime", via_vime)]}
+    served = bench_served(args, prompt_ids, opts, work / "logs")
+    med = {side: statistics.median(rates) for side, rates in {"offline": offline, **served}.items()}
     graphs = "eager" if opts.enforce_eager else "cuda-graphs"
     name = f"rollout_{opts.shape}_{graphs}_{opts.prompts}x{opts.n_samples}x{opts.response_len}"
     write_result(
@@ -206,17 +222,16 @@ def main() -> None:
             "offline_tok_per_s": med["offline"],
             "offline_without_logprobs_tok_per_s": statistics.median(offline_no_logprobs or [0.0]),
             "direct_http_tok_per_s": med["direct"],
+            "direct_http_via_router_tok_per_s": med["direct_via_router"],
             "vime_tok_per_s": med["vime"],
+            "vime_sample_seeds_tok_per_s": med.get("vime_sample_seeds", 0.0),
             "ratio_vime_over_offline": med["vime"] / med["offline"],
             "ratio_vime_over_direct": med["vime"] / med["direct"],
-            "runs": {
-                "offline": offline,
-                "offline_no_logprobs": offline_no_logprobs,
-                "direct": direct,
-                "vime": via_vime,
-            },
+            "runs": {"offline": offline, "offline_no_logprobs": offline_no_logprobs, **served},
             "summary": f"{name}: vime {med['vime']:,.0f} tok/s = {med['vime'] / med['offline']:.2f} x offline "
-            f"({med['offline']:,.0f}), {med['vime'] / med['direct']:.2f} x direct HTTP ({med['direct']:,.0f})",
+            f"({med['offline']:,.0f}), {med['vime'] / med['direct']:.2f} x direct HTTP ({med['direct']:,.0f}; via the "
+            f"router {med['direct_via_router']:,.0f})"
+            + (f"; with --rollout-sample-seeds {med['vime_sample_seeds']:,.0f}" if opts.sample_seeds else ""),
         },
     )
 

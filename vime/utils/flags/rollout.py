@@ -75,6 +75,16 @@ ROLLOUT = [
         ),
     ),
     (
+        "--rollout-sample-seeds",
+        dict(
+            action="store_true",
+            help="Send every request its own sampling seed (from --rollout-seed and the sample's index; slime does "
+            "so under --sglang-enable-deterministic-inference), so a sample draws the same tokens however the engine "
+            "batches it. Off by default: vLLM draws a seeded request's sampling noise one request at a time, which "
+            "cost 17%% of the rollout throughput at 256 in-flight requests (bench/README.md). GPU engines only.",
+        ),
+    ),
+    (
         "--vllm-router-ip",
         dict(default=None, help="Use an existing vllm-router at this address (start none)."),
     ),
