@@ -18,7 +18,7 @@ def _args(backend, model_dir, max_tokens):
 
     argv = [
         "--train-backend", backend, "--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl",
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--bf16",
+        "--rollout-batch-size", "8", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--bf16",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tokens), "--rollout-max-response-len", "1024",
     ]  # fmt: skip
     if backend == "megatron":
@@ -50,14 +50,15 @@ def test_memory_plan_predicts_the_step_peak_and_refuses_what_cannot_fit(backend,
     plan = trainer.memory_plan
     assert plan is not None and plan.fits and plan.tokens == 8192
     g = torch.Generator().manual_seed(0)
-    samples = [  # 8 samples of 1024 tokens: one micro-batch of exactly the 8192-token budget
+    samples = [  # 16 samples of 1024 tokens: two micro-batches of exactly the 8192-token budget (the second one
+        # runs with the first one's gradients resident)
         Sample(index=i, tokens=torch.randint(4, 61, (1024,), generator=g).tolist(), response_length=1023,
                reward=float(i % 2), status=Status.COMPLETED)
-        for i in range(8)
+        for i in range(16)
     ]  # fmt: skip
-    trainer.train(0, samples, [1.0, -1.0] * 4)  # creates the optimizer state the plan accounts for
+    trainer.train(0, samples, [1.0, -1.0] * 8)  # creates the optimizer state the plan accounts for
     torch.cuda.reset_peak_memory_stats()
-    trainer.train(1, samples, [1.0, -1.0] * 4)
+    trainer.train(1, samples, [1.0, -1.0] * 8)
     measured = torch.cuda.max_memory_allocated()
     print(
         f"{backend}: predicted {plan.predicted_peak_bytes / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB"

@@ -586,3 +586,15 @@ def test_teacher_log_probs_from_a_server_train_like_the_trainer_side_teacher(bas
     assert metrics_server["opd_reverse_kl"] == pytest.approx(metrics_trainer["opd_reverse_kl"], abs=1e-6)
     a, b = full_params(with_teacher), full_params(from_server)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+def test_memory_probe_runs_with_every_gradient_resident_and_clears_them(base_args):
+    """The memory check's probe (CUDA-only in a run) counts the gradients FSDP2 creates in a step's first backward
+    and holds them through its forward/backward, as a later micro-batch does; it leaves no gradient behind."""
+    trainer = FSDPTrainer(base_args)
+    before = full_params(trainer)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert trainer._probe_gradient_bytes() == sum(p.numel() * p.element_size() for p in params) > 0
+    trainer._memory_probe(make_samples())
+    assert all(p.grad is None for p in params)
+    assert_same_params(full_params(trainer), before)

@@ -38,7 +38,7 @@ def check_memory_plan(trainer) -> MemoryPlan | None:
     tokens = planned_micro_batch_tokens(trainer.args, trainer._micro_batch_token_budget())
     if not torch.cuda.is_available() or tokens is None or tokens < 64:
         return None
-    resident = torch.cuda.memory_allocated()
+    resident = torch.cuda.memory_allocated() + trainer._probe_gradient_bytes()
     free, _ = torch.cuda.mem_get_info()
     available = free + torch.cuda.memory_reserved()
     probes = []

@@ -272,8 +272,14 @@ class TrainerBase:
         return check_memory_plan(self)
 
     def _memory_probe(self, samples: list[Sample]) -> None:
-        """One forward/backward of ``samples`` packed into one micro-batch, gradients then cleared (no step)."""
+        """One forward/backward of ``samples`` packed into one micro-batch, with every gradient resident as in a
+        step's later micro-batches; gradients then cleared (no step)."""
         raise NotImplementedError
+
+    def _probe_gradient_bytes(self) -> int:
+        """Bytes of gradients :meth:`_memory_probe` allocates that a step keeps resident (none where a gradient
+        buffer exists from the start, as Megatron's)."""
+        return 0
 
     def offload(self) -> dict[str, float]:
         """``--offload-train``: free the GPU memory of the weights (policy, reference, teacher), gradients and

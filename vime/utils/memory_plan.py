@@ -30,7 +30,7 @@ class MemoryPlan:
 
     tokens: int
     predicted_peak_bytes: int
-    resident_bytes: int  # allocated before the probes: weights, gradient buffers, optimizer state so far
+    resident_bytes: int  # weights, gradients and the optimizer state allocated before the probes
     optimizer_state_bytes: int  # optimizer state not allocated yet (created by the first step)
     available_bytes: int
     max_fitting_tokens: int
@@ -92,9 +92,14 @@ def unallocated_optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -
             for param in group["params"]:
                 if inner.state.get(param):
                     continue
-                local = param.to_local() if isinstance(param, DTensor) else param
-                total += per_param * local.numel() * local.element_size()
+                total += per_param * local_bytes(param)
     return total
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's part of ``tensor`` (its local shard for a DTensor)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
 
 
 def planned_micro_batch_tokens(args, token_budget: int | None) -> int | None:

@@ -38,6 +38,7 @@ from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
 from vime.utils.freeze import apply_trainable_patterns
 from vime.utils.loss import slime_loss_batch, value_loss
+from vime.utils.memory_plan import local_bytes
 from vime.utils.offload import optimizer_tensors
 from vime.utils.routing_replay import ReplayMode
 from vime.utils.train_data import pack_samples, split_routing
@@ -198,7 +199,19 @@ class FSDPTrainer(TrainerBase):
     def _reduce_sum(self, values: list[float]) -> list[float]:
         return all_reduce_sum(values)
 
+    def _gradients_to_come(self) -> list[torch.Tensor]:
+        """Trainable parameters with no gradient yet: FSDP2 creates them in the first backward of a step."""
+        return [p for p in self.model.parameters() if p.requires_grad and p.grad is None]
+
+    def _probe_gradient_bytes(self) -> int:
+        return sum(local_bytes(p) for p in self._gradients_to_come())
+
     def _memory_probe(self, samples: list[Sample]) -> None:
+        # as in a step's later micro-batches, the gradients are resident before the forward (without them the
+        # probes predicted the 4B-shaped step's peak 16 GiB low: the first backward creates them as it frees
+        # activations)
+        for param in self._gradients_to_come():
+            param.grad = torch.zeros_like(param)
         packed = pack_samples(samples)
         if self.role == "critic":
             loss = forward_values(self.model, packed, self.device).sum()
