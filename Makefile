@@ -16,7 +16,7 @@ quickstart: install
 	$(PY) examples/quickstart/quickstart.py
 
 test: install lint
-	$(PY) -m pytest tests -q --timeout 900
+	$(PY) -m pytest tests -q --timeout 900 --durations=30
 
 test-unit: install
 	$(PY) -m pytest tests/unit -q
