@@ -71,8 +71,8 @@ def test_the_flag_is_refused_with_cpu_engines(tmp_path):
     args = parse_args(
         [
             "--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--prompt-data",
-            str(model_dir / "train.jsonl"), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
-            "--rollout-sample-seeds",
+            str(model_dir / "train.jsonl"), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--num-rollout", "1", "--rollout-sample-seeds",
         ]
     )  # fmt: skip
     manager = RolloutManager(args, tmp_path / "logs")

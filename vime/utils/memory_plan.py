@@ -30,7 +30,9 @@ class MemoryPlan:
 
     tokens: int
     predicted_peak_bytes: int
-    resident_bytes: int  # weights, gradients and the optimizer state allocated before the probes
+    resident_bytes: (
+        int  # weights, optimizer state so far, and the gradients a step keeps (buffered or to come)
+    )
     optimizer_state_bytes: int  # optimizer state not allocated yet (created by the first step)
     available_bytes: int
     max_fitting_tokens: int

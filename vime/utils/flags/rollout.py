@@ -78,10 +78,11 @@ ROLLOUT = [
         "--rollout-sample-seeds",
         dict(
             action="store_true",
-            help="Send every request its own sampling seed (from --rollout-seed and the sample's index; slime does "
-            "so under --sglang-enable-deterministic-inference), so a sample's random draws do not depend on how the engine "
-            "batches it. Off by default, as in slime: vLLM draws a seeded request's sampling noise one request at a "
-            "time (no throughput cost measured at 256 in-flight requests, bench/README.md). GPU engines only.",
+            help="Send every request its own sampling seed (from --rollout-seed and the sample's index; slime "
+            "does so under --sglang-enable-deterministic-inference), so a sample's random draws do not depend on "
+            "how the engine batches it. Off by default, as in slime: vLLM draws a seeded request's sampling noise "
+            "one request at a time (no throughput cost measured at 256 in-flight requests, bench/README.md). GPU "
+            "engines only.",
         ),
     ),
     (
