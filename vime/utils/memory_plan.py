@@ -30,9 +30,8 @@ class MemoryPlan:
 
     tokens: int
     predicted_peak_bytes: int
-    resident_bytes: (
-        int  # weights, optimizer state so far, and the gradients a step keeps (buffered or to come)
-    )
+    # weights, optimizer state so far, and the gradients a step keeps (buffered already or created by it)
+    resident_bytes: int
     optimizer_state_bytes: int  # optimizer state not allocated yet (created by the first step)
     available_bytes: int
     max_fitting_tokens: int
