@@ -57,7 +57,7 @@ def engine_flags(opts) -> dict:
     return flags
 
 
-def vime_args(opts, model_dir: Path, log_dir: Path):
+def vime_args(opts, model_dir: Path, log_dir: Path, extra: list[str] | None = None):
     from vime.utils.arguments import parse_args
 
     flags = engine_flags(opts)
@@ -75,7 +75,7 @@ def vime_args(opts, model_dir: Path, log_dir: Path):
         argv += ["--vllm-enforce-eager"]
     if "gpu_memory_utilization" in flags:
         argv += ["--vllm-gpu-memory-utilization", str(flags["gpu_memory_utilization"])]
-    return parse_args(argv)
+    return parse_args(argv + (extra or []))
 
 
 def bench_offline(opts, model_dir: Path, prompt_ids: list[list[int]], logprobs: int | None) -> list[float]:
@@ -101,6 +101,14 @@ def bench_offline(opts, model_dir: Path, prompt_ids: list[list[int]], logprobs: 
 
 async def drive_directly(url: str, model: str, prompt_ids: list[list[int]], opts) -> float:
     """Generated tokens/s of one batch sent straight to the engine by a bare aiohttp client."""
+    started = time.perf_counter()
+    tokens = await send_completions(url, model, prompt_ids, opts)
+    return tokens / (time.perf_counter() - started)
+
+
+async def send_completions(url: str, model: str, prompt_ids: list[list[int]], opts) -> int:
+    """Generated tokens of one batch of ``/v1/completions`` requests as vime sends them (one ``n``-sample request
+    per group, sampled-token log-probs, token ids in and out), from a bare aiohttp client."""
     import aiohttp
 
     limit = asyncio.Semaphore(opts.concurrency or 512)
@@ -116,9 +124,7 @@ async def drive_directly(url: str, model: str, prompt_ids: list[list[int]], opts
                 body = await response.json()
             return sum(len(c["token_ids"]) for c in body["choices"])
 
-        started = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
-        return tokens / (time.perf_counter() - started)
+        return sum(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
 
 
 def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> dict[str, list[float]]:
