@@ -189,6 +189,8 @@ def _error_of(argv: list[str], capsys) -> str:
         (["--vllm-router-ip", "10.0.0.1"], "--vllm-router-ip and --vllm-router-port go together"),
         (["--update-weight-transport", "tensor"], "needs --colocate"),
         (["--mtp-num-layers", "1"], "vime does not train multi-token-prediction layers"),
+        (["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: vime trains without dropout"),
+        (["--attention-dropout", "0.05"], "--attention-dropout 0.05: vime trains without dropout"),
         (["--rollout-num-gpus-per-engine", "16"], "is more than one node's GPUs (--num-gpus-per-node 8)"),
         (
             ["--sequence-parallel"],
@@ -268,6 +270,12 @@ def test_derived_defaults():
     assert args.update_weight_transport == "distributed"
     assert args.critic_num_gpus_per_node == args.actor_num_gpus_per_node
     assert args.eval_temperature == args.rollout_temperature
+
+
+def test_dropout_defaults_to_off_and_slimes_explicit_zero_parses():
+    assert (parse_args(BASE).attention_dropout, parse_args(BASE).hidden_dropout) == (0.0, 0.0)
+    args = parse_args(BASE + ["--attention-dropout", "0.0", "--hidden-dropout", "0"])
+    assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)
 
 
 def test_offload_sets_both_and_nccl_is_slimes_name_for_distributed():

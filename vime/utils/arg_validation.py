@@ -479,6 +479,15 @@ def _check_backend(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--ckpt-format {args.ckpt_format}: vime writes Megatron checkpoints as torch_dist only"
         )
+    if dropout := [
+        f"--{n.replace('_', '-')} {getattr(args, n)}"
+        for n in ("attention_dropout", "hidden_dropout")
+        if getattr(args, n)
+    ]:
+        raise ValueError(
+            f"{', '.join(dropout)}: vime trains without dropout (the engines run none, so dropout would make the "
+            "trainer's log-probs differ from the rollout's and bias the importance ratios); pass 0 or drop the flag"
+        )
     if args.mtp_num_layers:
         raise ValueError(
             f"--mtp-num-layers {args.mtp_num_layers}: vime does not train multi-token-prediction layers (a "

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import os
 
+_NO_DROPOUT = "0 in vime (Megatron-LM's default is 0.1); any other value is refused"
+
 _MODEL = [
     ("--num-layers", dict(type=int, default=None, help="Number of transformer layers.")),
     ("--hidden-size", dict(type=int, default=None, help="Transformer hidden size.")),
@@ -58,8 +60,8 @@ _MODEL = [
     ("--vocab-size", dict(type=int, default=None, help="Vocabulary size (padded by the model).")),
     ("--make-vocab-size-divisible-by", dict(type=int, default=128, help="Pad vocab to a multiple of this.")),
     ("--init-method-std", dict(type=float, default=0.02, help="Init std.")),
-    ("--attention-dropout", dict(type=float, default=0.1, help="Attention dropout.")),
-    ("--hidden-dropout", dict(type=float, default=0.1, help="Hidden dropout.")),
+    ("--attention-dropout", dict(type=float, default=0.0, help=f"Attention dropout: {_NO_DROPOUT}.")),
+    ("--hidden-dropout", dict(type=float, default=0.0, help=f"Hidden dropout: {_NO_DROPOUT}.")),
     (
         "--attention-backend",
         dict(default="auto", help="Attention backend (flash, fused, unfused, local, auto)."),
@@ -291,6 +293,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> str:
         from megatron.training.arguments import add_megatron_arguments as add_upstream
 
         add_upstream(parser)
+        parser.set_defaults(attention_dropout=0.0, hidden_dropout=0.0)  # vime trains without dropout
         _add_vime_megatron_flags(parser)
         return "megatron-lm"
     sections = [
