@@ -20,12 +20,10 @@ CPU (tiny model): ``python bench/engine_host_cost.py``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -33,7 +31,13 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 
-from bench.rollout_throughput import engine_flags, on_gpu, send_completions, vime_args  # noqa: E402
+from bench.rollout_throughput import (  # noqa: E402
+    engine_flags,
+    prepare_workload,
+    send_completions,
+    workload_parser,
+    workload_record,
+)
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -165,45 +169,20 @@ def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--shape", default="tiny", help="tiny (CPU, fp32) or a bench/shapes.py shape (GPU, bf16)"
-    )
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n-samples", type=int, default=8)
-    parser.add_argument("--response-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--concurrency", type=int, default=512)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (always on CPU)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    from bench.shapes import write_result
+    from vime.utils.upstream_parsers import build_vllm_serve_parser
+
+    parser = workload_parser(__doc__, repeats=1)
     parser.add_argument("--skip-offline", action="store_true")
     opts = parser.parse_args()
-    gpu = on_gpu()
-    opts.dtype = "bfloat16" if gpu else "float32"
-    opts.enforce_eager = opts.enforce_eager or not gpu
-
-    from transformers import AutoTokenizer
-
-    from bench.shapes import build_shape, write_result
-    from vime.rollout.data_source import RolloutDataSource
-    from vime.tools.make_tiny_model import build_tiny_model
-
-    work = Path(tempfile.mkdtemp(prefix="vime-bench-"))
-    model_dir = build_shape(opts.shape) if gpu else build_tiny_model(work / "model", seed=0)
-    args = vime_args(opts, model_dir, work / "logs")
-    if hasattr(
-        args, "vllm_enable_scale_out"
-    ):  # newer vLLMs (vllm-cpu 0.32) serve /inference/v1/generate only so
-        args = vime_args(opts, model_dir, work / "logs", ["--vllm-enable-scale-out"])
-    source = RolloutDataSource(args, AutoTokenizer.from_pretrained(model_dir))
-    prompt_ids = [group[0].tokens for group in source.get_samples(opts.prompts)]
+    opts.concurrency = opts.concurrency or 512
+    # vLLMs that gate their token-in/token-out endpoint (vllm-cpu 0.32) serve it only with --enable-scale-out
+    gated = "--enable-scale-out" in build_vllm_serve_parser()._option_string_actions
+    model_dir, args, prompt_ids = prepare_workload(opts, ["--vllm-enable-scale-out"] if gated else [])
 
     offline = {} if opts.skip_offline else bench_offline(opts, model_dir, prompt_ids)
-    served = bench_served(args, prompt_ids, opts, work / "logs")
-    graphs = "eager" if opts.enforce_eager else "cuda-graphs"
-    name = f"engine_host_cost_{opts.shape}_{graphs}_{opts.prompts}x{opts.n_samples}x{opts.response_len}"
+    served = bench_served(args, prompt_ids, opts, Path(args.log_dir))
+    name, workload = workload_record(opts, "engine_host_cost")
     rates = {f"offline {k}": v["tok_per_s"] for k, v in offline.items()} | {
         f"served {k}": v["tok_per_s"] for k, v in served.items()
     }
@@ -211,16 +190,7 @@ def main() -> None:
         f"bench/results/{name}.json",
         {
             "benchmark": "engine_host_cost",
-            "workload": {
-                "shape": opts.shape,
-                "dtype": opts.dtype,
-                "cuda_graphs": not opts.enforce_eager,
-                "prompts": opts.prompts,
-                "n_samples_per_prompt": opts.n_samples,
-                "response_len": opts.response_len,
-                "concurrency": opts.concurrency,
-                "repeats": opts.repeats,
-            },  # fmt: skip
+            "workload": workload | {"concurrency": opts.concurrency},
             "offline": offline,
             "served": served,
             "summary": f"{name}: " + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items()) + " tok/s",

@@ -163,22 +163,59 @@ def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> dict
     return rates
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def workload_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The flags every rollout-side benchmark shares: model shape, prompts and samples, response length, repeats,
+    concurrency and engine settings."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--shape", default="tiny", help="tiny (CPU, fp32) or a bench/shapes.py shape (GPU, bf16)"
     )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--response-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument(
         "--concurrency", type=int, default=None, help="--rollout-concurrency (default: vime's)"
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (always on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    return parser
+
+
+def prepare_workload(opts, extra_vime_flags: list[str] | None = None):
+    """Settle ``opts`` for this machine (GPU: bf16 and the shape; CPU: the fp32 tiny model, eager) and build the
+    model; returns its directory, vime's parsed args for it and the prompts' token ids."""
+    from transformers import AutoTokenizer
+
+    from bench.shapes import build_shape
+    from vime.rollout.data_source import RolloutDataSource
+    from vime.tools.make_tiny_model import build_tiny_model
+
+    gpu = on_gpu()
+    opts.dtype = "bfloat16" if gpu else "float32"
+    opts.enforce_eager = opts.enforce_eager or not gpu
+    work = Path(tempfile.mkdtemp(prefix="vime-bench-"))
+    model_dir = build_shape(opts.shape) if gpu else build_tiny_model(work / "model", seed=0)
+    args = vime_args(opts, model_dir, work / "logs", extra_vime_flags)
+    source = RolloutDataSource(args, AutoTokenizer.from_pretrained(model_dir))
+    return model_dir, args, [group[0].tokens for group in source.get_samples(opts.prompts)]
+
+
+def workload_record(opts, benchmark: str) -> tuple[str, dict]:
+    """The result's name (``<benchmark>_<shape>_<eager|cuda-graphs>_<prompts>x<n>x<len>``) and its workload."""
+    graphs = "eager" if opts.enforce_eager else "cuda-graphs"
+    name = f"{benchmark}_{opts.shape}_{graphs}_{opts.prompts}x{opts.n_samples}x{opts.response_len}"
+    workload = {
+        "shape": opts.shape, "dtype": opts.dtype, "cuda_graphs": not opts.enforce_eager, "prompts": opts.prompts,
+        "n_samples_per_prompt": opts.n_samples, "response_len": opts.response_len, "repeats": opts.repeats,
+    }  # fmt: skip
+    return name, workload
+
+
+def main() -> None:
+    from bench.shapes import write_result
+
+    parser = workload_parser(__doc__, repeats=3)
     parser.add_argument(
         "--offline-without-logprobs", action="store_true", help="also time offline without log-probs"
     )
@@ -187,44 +224,24 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
-    gpu = on_gpu()
-    opts.dtype = "bfloat16" if gpu else "float32"
-    opts.enforce_eager = opts.enforce_eager or not gpu
-
-    from transformers import AutoTokenizer
-
-    from bench.shapes import build_shape, write_result
-    from vime.rollout.data_source import RolloutDataSource
-    from vime.tools.make_tiny_model import build_tiny_model
-
-    work = Path(tempfile.mkdtemp(prefix="vime-bench-"))
-    model_dir = build_shape(opts.shape) if gpu else build_tiny_model(work / "model", seed=0)
-    args = vime_args(opts, model_dir, work / "logs")
-    source = RolloutDataSource(args, AutoTokenizer.from_pretrained(model_dir))
-    prompt_ids = [group[0].tokens for group in source.get_samples(opts.prompts)]
+    model_dir, args, prompt_ids = prepare_workload(opts)
 
     offline = bench_offline(opts, model_dir, prompt_ids, logprobs=0)
     offline_no_logprobs = (
         bench_offline(opts, model_dir, prompt_ids, logprobs=None) if opts.offline_without_logprobs else []
     )
-    served = bench_served(args, prompt_ids, opts, work / "logs")
+    served = bench_served(args, prompt_ids, opts, Path(args.log_dir))
     med = {side: statistics.median(rates) for side, rates in {"offline": offline, **served}.items()}
-    graphs = "eager" if opts.enforce_eager else "cuda-graphs"
-    name = f"rollout_{opts.shape}_{graphs}_{opts.prompts}x{opts.n_samples}x{opts.response_len}"
+    name, workload = workload_record(opts, "rollout")
     write_result(
         opts.out or f"bench/results/{name}.json",
         {
             "benchmark": "rollout_throughput",
-            "workload": {
-                "shape": opts.shape,
-                "dtype": opts.dtype,
-                "cuda_graphs": not opts.enforce_eager,
-                "prompts": opts.prompts,
-                "n_samples_per_prompt": opts.n_samples,
-                "response_len": opts.response_len,
+            "workload": workload
+            | {
                 "rollout_concurrency": args.rollout_concurrency,
                 "log_probs": "sampled token (logprobs=0) on every side",
-            },  # fmt: skip
+            },
             "offline_tok_per_s": med["offline"],
             "offline_without_logprobs_tok_per_s": statistics.median(offline_no_logprobs or [0.0]),
             "direct_http_tok_per_s": med["direct"],
