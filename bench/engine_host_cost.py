@@ -20,7 +20,6 @@ CPU (tiny model): ``python bench/engine_host_cost.py``.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import statistics
 import sys
@@ -33,15 +32,12 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 
 from bench.rollout_throughput import (  # noqa: E402
     engine_flags,
+    post_all,
     prepare_workload,
     send_completions,
     workload_parser,
     workload_record,
 )
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 OFFLINE_SETTINGS: dict[str, dict] = {
     "no_logprobs": {},
@@ -119,31 +115,29 @@ def bench_offline(opts, model_dir: Path, prompt_ids: list[list[int]]) -> dict[st
     return results
 
 
-async def drive_generate_api(url: str, model: str, prompt_ids: list[list[int]], opts) -> int:
+async def send_generate_api(url: str, model: str, prompt_ids: list[list[int]], opts) -> int:
     """Generated tokens of one batch sent to ``/inference/v1/generate``: no text, flat sampled-token log-probs."""
-    import aiohttp
-
-    limit = asyncio.Semaphore(opts.concurrency)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-
-        async def one(ids: list[int]) -> int:
-            payload = {
-                "model": model, "token_ids": ids,
-                "sampling_params": {
-                    "n": opts.n_samples, "max_tokens": opts.response_len, "ignore_eos": True, "temperature": 1.0,
-                    "logprobs": 0, "detokenize": False, "flat_logprobs": True,
-                },
-            }  # fmt: skip
-            async with limit, session.post(f"{url}/inference/v1/generate", json=payload) as response:
-                body = await response.json()
-                if response.status != 200:
-                    raise RuntimeError(f"/inference/v1/generate answered {response.status}: {body}")
-            for choice in body["choices"]:
-                if len(choice["logprobs"]["content"]) != len(choice["token_ids"]):
-                    raise RuntimeError("a choice came back without a log-prob per token")
-            return sum(len(c["token_ids"]) for c in body["choices"])
-
-        return sum(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
+    payloads = [
+        {
+            "model": model,
+            "token_ids": ids,
+            "sampling_params": {
+                "n": opts.n_samples,
+                "max_tokens": opts.response_len,
+                "ignore_eos": True,
+                "temperature": 1.0,
+                "logprobs": 0,
+                "detokenize": False,
+                "flat_logprobs": True,
+            },
+        }  # fmt: skip
+        for ids in prompt_ids
+    ]
+    bodies = await post_all(f"{url}/inference/v1/generate", payloads, opts.concurrency)
+    choices = [choice for body in bodies for choice in body["choices"]]
+    if any(len(c["logprobs"]["content"]) != len(c["token_ids"]) for c in choices):
+        raise RuntimeError("a choice came back without a log-prob per token")
+    return sum(len(c["token_ids"]) for c in choices)
 
 
 def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> dict[str, dict[str, float]]:
@@ -158,7 +152,7 @@ def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> dict
 
         sides = {
             "completions_api": lambda: run(send_completions(url, model, prompt_ids, opts)),
-            "generate_api": lambda: run(drive_generate_api(url, model, prompt_ids, opts)),
+            "generate_api": lambda: run(send_generate_api(url, model, prompt_ids, opts)),
         }
         for side, batch in sides.items():
             results[side] = measured(batch, "api_server", opts.repeats)

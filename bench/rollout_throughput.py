@@ -106,25 +106,43 @@ async def drive_directly(url: str, model: str, prompt_ids: list[list[int]], opts
     return tokens / (time.perf_counter() - started)
 
 
+async def post_all(url: str, payloads: list[dict], concurrency: int) -> list[dict]:
+    """POST every payload to ``url`` from a bare aiohttp client, ``concurrency`` at a time; the JSON answers (any
+    other status than 200 raises)."""
+    import aiohttp
+
+    limit = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one(payload: dict) -> dict:
+            async with limit, session.post(url, json=payload) as response:
+                body = await response.json()
+                if response.status != 200:
+                    raise RuntimeError(f"{url} answered {response.status}: {body}")
+            return body
+
+        return await asyncio.gather(*(one(payload) for payload in payloads))
+
+
 async def send_completions(url: str, model: str, prompt_ids: list[list[int]], opts) -> int:
     """Generated tokens of one batch of ``/v1/completions`` requests as vime sends them (one ``n``-sample request
     per group, sampled-token log-probs, token ids in and out), from a bare aiohttp client."""
-    import aiohttp
-
-    limit = asyncio.Semaphore(opts.concurrency or 512)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-
-        async def one(ids: list[int]) -> int:
-            payload = {
-                "model": model, "prompt": ids, "n": opts.n_samples, "max_tokens": opts.response_len,
-                "ignore_eos": True, "temperature": 1.0, "logprobs": 0, "return_token_ids": True,
-                "return_tokens_as_token_ids": True,
-            }  # fmt: skip
-            async with limit, session.post(f"{url}/v1/completions", json=payload) as response:
-                body = await response.json()
-            return sum(len(c["token_ids"]) for c in body["choices"])
-
-        return sum(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
+    payloads = [
+        {
+            "model": model,
+            "prompt": ids,
+            "n": opts.n_samples,
+            "max_tokens": opts.response_len,
+            "ignore_eos": True,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }  # fmt: skip
+        for ids in prompt_ids
+    ]
+    bodies = await post_all(f"{url}/v1/completions", payloads, opts.concurrency or 512)
+    return sum(len(choice["token_ids"]) for body in bodies for choice in body["choices"])
 
 
 def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> dict[str, list[float]]:

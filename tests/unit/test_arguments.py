@@ -273,9 +273,9 @@ def test_derived_defaults():
 
 
 def test_dropout_defaults_to_off_and_slimes_explicit_zero_parses():
-    assert (parse_args(BASE).attention_dropout, parse_args(BASE).hidden_dropout) == (0.0, 0.0)
-    args = parse_args(BASE + ["--attention-dropout", "0.0", "--hidden-dropout", "0"])
-    assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)
+    for argv in (BASE, BASE + ["--attention-dropout", "0.0", "--hidden-dropout", "0"]):
+        args = parse_args(argv)
+        assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)
 
 
 def test_offload_sets_both_and_nccl_is_slimes_name_for_distributed():
