@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,6 +167,17 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
         assert all(s["status"] in ("completed", "truncated") for g in groups for s in g), rollout_id
         prompts += [g[0]["metadata"]["prompt_index"] for g in groups]
     assert len(prompts) == len(set(prompts)) == 16 * NUM_ROLLOUT
+
+    # the engines of one machine compute on their own cores (vLLM logs the cores its worker binds to); a
+    # replacement keeps its slot's
+    cores = {
+        p.name: re.findall(r"core ids=(\[[\d, ]*\])", p.read_text(errors="replace"))
+        for p in log_dir.glob("engine_*.log")
+    }
+    if num_engines == 2 and len(os.sched_getaffinity(0)) >= 2:
+        assert cores["engine_0.log"][:1] != cores["engine_1.log"][:1] and all(cores.values()), cores
+    for name, found in cores.items():
+        assert found[:1] == cores[name.split(".")[0] + ".log"][:1], cores
 
     # a replaced engine served the last rollouts with the trained weights: log-probs agree with the trainer's
     if any(target == "engine" for target, _ in signals):

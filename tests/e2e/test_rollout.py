@@ -133,16 +133,21 @@ def test_partial_rollout_resumes_aborted_samples(manager):
     with overrides(manager.args, custom_generate_function_path="rollout_plugins.slow_odd_groups",
                    partial_rollout=True, over_sampling_batch_size=2 * B):  # fmt: skip
         manager.generate(3)
-        partial = [g for g in manager.data_source.get_samples(manager.data_source.buffer_size)]
-        assert partial
-        manager.data_source.add_samples(partial)
-        before = {s.index: (list(s.tokens), s.response_length) for g in partial for s in g}
+    partial = manager.data_source.get_samples(manager.data_source.buffer_size)
+    assert partial
+    manager.data_source.add_samples(partial)
+    # Without over-sampling the next batch is exactly the first B buffered groups: nothing else is drawn while
+    # they run. (With it, fresh groups would race the resumed ones and the batch would be whichever finish first.)
+    resumed_groups = partial[:B]
+    before = {s.index: (list(s.tokens), s.response_length) for g in resumed_groups for s in g}
+    with overrides(manager.args, custom_generate_function_path="rollout_plugins.slow_odd_groups",
+                   partial_rollout=True, over_sampling_batch_size=None):  # fmt: skip
         resumed = manager.generate(4)
     by_index = {s.index: s for g in resumed.samples for s in g}
-    continued = [i for i in before if i in by_index]
-    assert continued, "buffered groups come out first"
-    for i in continued:
-        tokens, length = before[i]
+    assert set(before) <= set(by_index), (
+        f"the buffered groups {sorted(before)} come out first: {sorted(by_index)}"
+    )
+    for i, (tokens, length) in before.items():
         s = by_index[i]
         assert s.tokens[: len(tokens)] == tokens and s.response_length >= length
         assert (

@@ -46,10 +46,24 @@ def test_cpu_engines_one_per_bundle_on_each_node():
     args = argparse.Namespace(rollout_num_gpus_per_engine=1)
     slots = [BundleSlot("node-a", "127.0.0.1", None), BundleSlot("node-b", "127.0.0.1", None)]
     placements = engine_placements(args, _bundles(2, first=1), slots)
-    assert [(p.bundle_index, p.node_id, p.gpus) for p in placements] == [
-        (1, "node-a", None),
-        (2, "node-b", None),
+    assert [(p.bundle_index, p.node_id, p.gpus, p.cpu_share) for p in placements] == [
+        (1, "node-a", None, (0, 1)),
+        (2, "node-b", None, (0, 1)),
     ]
+
+
+def test_cpu_engines_of_one_node_split_its_cores_and_gpu_engines_do_not():
+    args = argparse.Namespace(rollout_num_gpus_per_engine=1)
+    slots = [BundleSlot(node, "10.0.0.1", None) for node in ("node-b", "node-a", "node-b", "node-b")]
+    placements = engine_placements(args, _bundles(4), slots)
+    assert [(p.node_id, p.cpu_share) for p in placements] == [
+        ("node-a", (0, 1)),
+        ("node-b", (0, 3)),
+        ("node-b", (1, 3)),
+        ("node-b", (2, 3)),
+    ]
+    gpu_slots = [BundleSlot("node-a", "10.0.0.1", gpu) for gpu in "01"]
+    assert [p.cpu_share for p in engine_placements(args, _bundles(2), gpu_slots)] == [None, None]
 
 
 def test_an_odd_share_of_gpus_on_a_node_is_refused():

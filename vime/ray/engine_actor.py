@@ -67,8 +67,15 @@ class RemoteEngine:
         self.actor = actor
         self.placement = placement
         self.log_path = log_path
-        self.url: str = ray.get(actor.address.remote())
+        # asked now, awaited on first use: the fleet's actors start together, not one after another
+        self._url: ray.ObjectRef | str = actor.address.remote()
         self.server_group: int | None = None  # the server's process group on its node, once started
+
+    @property
+    def url(self) -> str:
+        if isinstance(self._url, ray.ObjectRef):
+            self._url = ray.get(self._url)
+        return self._url
 
     def start(self) -> RemoteEngine:
         ray.get(self.actor.launch.remote())
@@ -147,5 +154,6 @@ class NodeEngines:
             extra_args=list(extra_args),
             env={**(env or {}), **gpus},
             spec=spec,
+            cpu_share=placement.cpu_share,
         )
         return RemoteEngine(actor, placement, log_path)

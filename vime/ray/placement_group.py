@@ -7,8 +7,9 @@ bundles come first and the rollout's after them, in one placement group.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import ray
@@ -83,13 +84,15 @@ class BundleSlot(NamedTuple):
 @dataclass(frozen=True)
 class EnginePlacement:
     """Where one engine runs: a bundle of the placement group (the first of its bundles when it has several GPUs),
-    that bundle's node, and the engine's GPUs (``CUDA_VISIBLE_DEVICES``; None on CPU)."""
+    that bundle's node, and the engine's GPUs (``CUDA_VISIBLE_DEVICES``; None on CPU). On CPU, ``cpu_share``
+    (index, count): it is engine ``index`` of the ``count`` engines on its node, which split the node's cores."""
 
     group: PlacementGroup
     bundle_index: int
     node_id: str
     node_ip: str
     gpus: str | None = None
+    cpu_share: tuple[int, int] | None = None
 
 
 def here(with_gpu: bool) -> BundleSlot:
@@ -155,7 +158,20 @@ def engine_placements(
             EnginePlacement(bundles.group, bundles.indices[first], chunk[0].node_id, chunk[0].node_ip, gpus)
         )
         start += size
-    return placements
+    return _share_node_cpus(placements)
+
+
+def _share_node_cpus(placements: list[EnginePlacement]) -> list[EnginePlacement]:
+    """CPU engines learn their index among the CPU engines of their node, and how many there are."""
+    on_node = Counter(p.node_id for p in placements if p.gpus is None)
+    seen: Counter[str] = Counter()
+    shared = []
+    for p in placements:
+        if p.gpus is None:
+            p = replace(p, cpu_share=(seen[p.node_id], on_node[p.node_id]))
+            seen[p.node_id] += 1
+        shared.append(p)
+    return shared
 
 
 def _gpu_order(gpu: str | None) -> tuple[int, str]:

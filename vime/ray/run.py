@@ -267,27 +267,31 @@ def start_run(args: argparse.Namespace) -> Run:
     pgs = create_placement_groups(args)
     actor = critic = manager = None
     try:
-        if not args.debug_rollout_only:
+        if not args.debug_rollout_only:  # the ranks build their trainers while the engines start
             actor = RayTrainGroup(args, pgs["actor"])
             if pgs["critic"].indices:
                 critic = RayTrainGroup(args, pgs["critic"], role="critic")
+        groups = [group for group in (actor, critic) if group is not None]
+        if args.colocate or args.offload_train:
+            for group in groups:  # engines then start on the memory the trainers left (or freed)
+                group.wait_ready()
         if args.offload_train:
             if pgs["actor"].resource != "GPU":
                 raise ValueError("--offload-train moves training state off GPUs: this run's trainer has none")
-            for group in (actor, critic):
-                if group is not None:
-                    group.offload()  # the engines find the GPU memory free when they start
+            for group in groups:
+                group.offload()  # the engines find the GPU memory free when they start
         slots = []  # the rollout bundles' nodes and GPUs (a colocated engine shares its training rank's)
         if not args.debug_train_only:
             colocated = args.colocate and actor is not None
             slots = actor.slots()[: args.rollout_num_gpus] if colocated else bundle_slots(pgs["rollout"])
         manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION, slots)
+        for group in groups:
+            group.wait_ready()
         if args.offload_train:
             if args.offload_rollout and not args.debug_train_only:
                 ray.get(manager.sleep.remote())  # the first weight sync wakes them
-            for group in (actor, critic):
-                if group is not None:
-                    group.onload()
+            for group in groups:
+                group.onload()
         last = actor.load() if actor else None
         if critic is not None:
             critic.load()

@@ -31,8 +31,9 @@ class TrainRayActor:
         self._listener = listen_socket(ray.util.get_node_ip_address())
         return self._listener.getsockname()[:2]
 
-    def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the training process group at rank 0's address, then build the trainer."""
+    def setup(self, master: tuple[str, int]) -> None:
+        """Join the training process group at rank 0's address (``master``), then build the trainer."""
+        master_addr, master_port = master
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
@@ -104,7 +105,10 @@ class TrainRayActor:
 
 
 class RayTrainGroup:
-    """The actor (or critic) ranks: splits each rollout over data-parallel ranks and calls them together."""
+    """The actor (or critic) ranks: splits each rollout over data-parallel ranks and calls them together.
+
+    Making the group starts its ranks, which build their trainers in the background (while the engines start);
+    :meth:`wait_ready` waits for them, and must come before any other call."""
 
     def __init__(self, args, bundles: Bundles, role: str = "actor"):
         self.args = args
@@ -125,10 +129,18 @@ class RayTrainGroup:
             ).remote(args, role, rank, world_size)
             for rank, index in enumerate(bundles.indices)
         ]
-        master_addr, master_port = ray.get(self.actors[0].master_address.remote())  # rank 0's node
-        ray.get([actor.setup.remote(master_addr, master_port) for actor in self.actors])
-        dp = ray.get([actor.data_parallel_rank.remote() for actor in self.actors])
-        self.dp_ranks, self.dp_size = [rank for rank, _ in dp], dp[0][1]
+        master = self.actors[0].master_address.remote()  # rank 0's node; Ray hands each rank the value
+        self._setup = [actor.setup.remote(master) for actor in self.actors]
+        self.dp_ranks: list[int] = []
+        self.dp_size = 0
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has joined the group and built its trainer (raises a rank's setup error)."""
+        if self._setup:
+            ray.get(self._setup)
+            self._setup = []
+            dp = ray.get([actor.data_parallel_rank.remote() for actor in self.actors])
+            self.dp_ranks, self.dp_size = [rank for rank, _ in dp], dp[0][1]
 
     def slots(self) -> list[BundleSlot]:
         """Node and GPU of every rank, in rank order."""

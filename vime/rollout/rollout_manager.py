@@ -47,7 +47,9 @@ class RolloutManager:
     ):
         """``launcher`` makes each engine (default: subprocesses of this process, :class:`LocalEngines`)."""
         self.args = args
-        self.launcher = launcher or LocalEngines()
+        self.config = serving_config(args)
+        self.specs = engine_specs(self.config)  # slot order: the policy's engines first
+        self.launcher = launcher or LocalEngines(cpu_engines=len(self.specs))
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engine_extra_args = list(engine_extra_args or [])
@@ -65,8 +67,6 @@ class RolloutManager:
             args.eval_function_path or args.rollout_function_path,
             "--eval-function-path" if args.eval_function_path else "--rollout-function-path",
         )
-        self.config = serving_config(args)
-        self.specs = engine_specs(self.config)  # slot order: the policy's engines first
         self.engines: list[EngineHandle] = []  # the policy's
         self.monitor: EngineMonitor | None = None  # --use-fault-tolerance
         self.router = None

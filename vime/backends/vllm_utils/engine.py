@@ -29,6 +29,7 @@ import aiohttp
 import psutil
 
 from vime.backends.vllm_utils import control_auth, process_guard
+from vime.backends.vllm_utils.cpu_binding import cpu_bind_env
 from vime.utils.misc import free_port
 from vime.utils.passthrough_args import passthrough_cli_args
 from vime.utils.process_group import end_group, group_members
@@ -288,7 +289,9 @@ def _stop_running_servers() -> None:
 class VLLMEngine(ServerProcess):
     """One vLLM server for ``args`` (model ``model_path`` or ``--hf-checkpoint``) on ``host:port``
     (a free port by default); ``extra_args`` are vime-owned flags, ``env`` extra environment variables; ``spec``
-    (a ``--vllm-config`` engine) sets the model, the tensor-parallel size and the group's flag overrides.
+    (a ``--vllm-config`` engine) sets the model, the tensor-parallel size and the group's flag overrides;
+    ``cpu_share`` (index, count): this is engine ``index`` of ``count`` CPU engines on this machine, computing on
+    its own slice of its cores (:func:`~vime.backends.vllm_utils.cpu_binding.cpu_bind_env`).
     :meth:`wait_ready` waits ``--engine-start-timeout`` seconds by default."""
 
     def __init__(
@@ -301,6 +304,7 @@ class VLLMEngine(ServerProcess):
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         spec: EngineSpec | None = None,
+        cpu_share: tuple[int, int] | None = None,
     ):
         port = private_port(host, port)
         if spec is not None:
@@ -309,10 +313,11 @@ class VLLMEngine(ServerProcess):
             )
         else:
             command = build_engine_command(args, host, port, model_path, extra_args)
+        tensor_parallel = spec.num_gpus if spec is not None else args.rollout_num_gpus_per_engine
         super().__init__(
             name="vLLM engine",
             command=command,
-            env={**build_engine_env(args), **(env or {})},
+            env={**build_engine_env(args), **cpu_bind_env(cpu_share, tensor_parallel), **(env or {})},
             host=host,
             port=port,
             log_path=log_path,

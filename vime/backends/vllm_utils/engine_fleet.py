@@ -67,9 +67,11 @@ class EngineLauncher(Protocol):
 @dataclass
 class LocalEngines:
     """Engines as subprocesses of this process on loopback; ``gpus``: one ``CUDA_VISIBLE_DEVICES`` per slot
-    (None: inherit this process's, e.g. on CPU)."""
+    (None: inherit this process's, e.g. on CPU). Without ``gpus``, the ``cpu_engines`` engines split this
+    machine's cores (vLLM ignores the binding where the engine runs on CUDA)."""
 
     gpus: list[str] | None = None
+    cpu_engines: int = 1
 
     @property
     def on_gpu(self) -> bool:
@@ -90,5 +92,10 @@ class LocalEngines:
     ) -> VLLMEngine:
         gpus = {"CUDA_VISIBLE_DEVICES": self.gpus[slot]} if self.gpus else {}
         return VLLMEngine(
-            args, log_path=log_path, extra_args=extra_args, env={**(env or {}), **gpus}, spec=spec
+            args,
+            log_path=log_path,
+            extra_args=extra_args,
+            env={**(env or {}), **gpus},
+            spec=spec,
+            cpu_share=None if self.gpus else (slot, self.cpu_engines),
         )
