@@ -1,6 +1,7 @@
 """The fault-tolerance engine monitor with fake engines and router (the real ones: tests/e2e/test_fault_tolerance.py):
-a dead engine is taken out of the router, replaced on its slot, kept out until a weight sync, and an engine that
-keeps dying stops the run with its log."""
+a dead engine is taken out of the router and replaced on its slot without waiting for the replacement to start;
+once up, the replacement is kept out until a weight sync; an engine that keeps dying (or never starts) stops the
+run with its log."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class FakeEngine:
     def __init__(self, url: str, alive: bool = True):
         self.url, self.alive, self.log_path = url, alive, f"{url}.log"
         self.started = self.stopped = False
+        self.up = True  # answers /health (False: alive, still starting)
 
     def is_alive(self) -> bool:
         return self.alive
@@ -31,9 +33,6 @@ class FakeEngine:
         self.started = True
         return self
 
-    def wait_ready_sync(self, timeout=None) -> float:
-        return 0.0
-
 
 @pytest.fixture
 def router(monkeypatch):
@@ -47,7 +46,9 @@ def router(monkeypatch):
 
     monkeypatch.setattr(engine_monitor, "unregister_worker", unregister)
     monkeypatch.setattr(engine_monitor, "register_workers", register)
-    monkeypatch.setattr(EngineMonitor, "_healthy", lambda self, server, path="/health": server.is_alive())
+    monkeypatch.setattr(
+        EngineMonitor, "_healthy", lambda self, server, path="/health": server.is_alive() and server.up
+    )
     return calls
 
 
@@ -68,7 +69,13 @@ def test_a_dead_engine_is_replaced_and_rejoins_after_a_sync(router):
     monitor.ensure_healthy()
     assert engines[0].url == "e0" and engines[1] is made[0] and made[0].started
     assert router == [("remove", "e1")]  # out of the router at once; the replacement not yet in
-    assert monitor.waiting_for_weights == {1} and monitor.metrics()["fault/engine_restarts"] == 1.0
+    assert set(monitor.starting) == {1} and monitor.metrics()["fault/engine_restarts"] == 1.0
+    assert monitor.live_urls() == ["e0"]  # a weight sync now goes on without the starting replacement
+    monitor.admit_synced()  # such a sync admits nothing
+    assert router == [("remove", "e1")]
+    monitor.ensure_healthy()  # it is up: the next sync reaches it
+    assert monitor.starting == {} and monitor.waiting_for_weights == {1}
+    assert monitor.live_urls() == ["e0", "new1.0"]
     monitor.admit_synced()
     assert router == [("remove", "e1"), ("add", "new1.0")] and monitor.waiting_for_weights == set()
     monitor.ensure_healthy()  # all healthy: nothing happens
@@ -84,11 +91,25 @@ def test_an_engine_that_keeps_dying_stops_the_run_with_its_log(router):
         monitor.ensure_healthy()
 
 
+def test_a_replacement_that_never_comes_up_is_replaced_again(router, monkeypatch):
+    engines = [FakeEngine("e0"), FakeEngine("e1", alive=False)]
+    monitor, made = _monitor(engines)
+    monitor.ensure_healthy()
+    made[0].up = False  # alive, not answering
+    monitor.ensure_healthy()
+    assert len(made) == 1 and set(monitor.starting) == {1}  # still within --engine-start-timeout (5 s)
+    later = engine_monitor.time.monotonic() + 6
+    monkeypatch.setattr(engine_monitor.time, "monotonic", lambda: later)
+    monitor.ensure_healthy()
+    assert engines[1] is made[1] and made[0].stopped and monitor.restarts == [0, 2]
+
+
 def test_a_replacement_the_sync_did_not_reach_waits_for_the_next(router):
     """An engine replaced while a sync ran (it died during it) has the old weights: only synced ones rejoin."""
     engines = [FakeEngine("e0", alive=False), FakeEngine("e1", alive=False)]
     monitor, made = _monitor(engines)
     monitor.ensure_healthy()
+    monitor.ensure_healthy()  # both replacements are up
     monitor.admit_synced(["e0", made[1].url])  # the sync saw e0's old URL and e1's replacement
     assert router[-1] == ("add", made[1].url) and monitor.waiting_for_weights == {0}
     monitor.admit_synced([made[0].url, made[1].url])
@@ -99,8 +120,11 @@ def test_replacements_are_stranded_only_when_no_engine_is_left_to_serve(router):
     engines = [FakeEngine("e0"), FakeEngine("e1", alive=False)]
     monitor, made = _monitor(engines)
     monitor.ensure_healthy()
+    monitor.ensure_healthy()  # e1's replacement is up
     assert monitor.stranded() == []  # e0 still serves: the replacement waits for the next sync
     engines[0].alive = False
+    monitor.ensure_healthy()  # e0's replacement is starting: only e1's can get weights now
+    assert monitor.stranded() == [made[0].url]
     monitor.ensure_healthy()
     assert monitor.stranded() == [made[1].url, made[0].url]  # slot order
     monitor.admit_synced(monitor.stranded())
@@ -118,6 +142,9 @@ def test_a_restarted_router_gets_only_live_engines_and_the_dead_one_is_then_repl
             super().__init__(url, alive)
             self.log_path = Path("/tmp") / f"{url}.log"
 
+        def wait_ready_sync(self, timeout=None) -> float:
+            return 0.0
+
     monkeypatch.setattr(engine_monitor, "RouterProcess", lambda *a, **k: FakeRouter("router2"))
     engines = [FakeEngine("e0"), FakeEngine("e1", alive=False)]
     monitor, made = _monitor(engines)
@@ -125,4 +152,4 @@ def test_a_restarted_router_gets_only_live_engines_and_the_dead_one_is_then_repl
     monitor.ensure_healthy()
     assert monitor.router.url == "router2" and monitor.router_restarts == 1
     assert router == [("add", "e0"), ("remove", "e1")]  # the hung engine never reached the new router
-    assert engines[1] is made[0] and monitor.waiting_for_weights == {1}
+    assert engines[1] is made[0] and set(monitor.starting) == {1}

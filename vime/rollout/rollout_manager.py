@@ -235,10 +235,9 @@ class RolloutManager:
 
     def engine_urls(self) -> list[str]:
         """Base URLs of the engines (control calls and weight sync go to them directly)."""
-        if self.monitor is not None:
+        if self.monitor is not None:  # replacements still starting are left out
             self.monitor.raise_if_fatal()
-            with self.monitor.lock:
-                return [engine.url for engine in self.engines]
+            return self.monitor.live_urls()
         return [engine.url for engine in self.engines]
 
     def ensure_engines_healthy(self) -> None:

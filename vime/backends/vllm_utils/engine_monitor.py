@@ -5,11 +5,13 @@ A background thread checks every engine each ``--rollout-health-check-interval``
 ``--rollout-health-check-timeout`` seconds, so a hung (e.g. SIGSTOPped) server counts as dead. A dead engine is
 taken out of the router at once, stopped (its process group killed), and a new engine starts in the same slot
 (the same GPUs; on a cluster a new actor in the same bundle: an engine whose actor died counts as dead) on a new
-port. The new engine holds the initial weights, so it stays out of the router until a weight sync has given it the
-current ones (:meth:`EngineMonitor.admit_synced`); meanwhile the other engines serve, and requests that were in
-flight on the dead one are sent again by the rollout (``vime.rollout.vllm_generate``). When no engine is left to
-serve (a run with one engine), the replacements are :meth:`EngineMonitor.stranded`: the driver gives them the
-weights during the rollout (``vime.ray.run.Run.wait_rollout``) instead of at the next sync, which would never come.
+port. Nothing waits for it to start: weight syncs and rollouts go on with the other engines, and a later check
+finds it up (or dead, or past ``--engine-start-timeout``: then it is replaced again). The new engine holds the
+initial weights, so it stays out of the router until the first weight sync after it is up has given it the current
+ones (:meth:`EngineMonitor.admit_synced`); requests that were in flight on the dead one are sent again by the
+rollout (``vime.rollout.vllm_generate``). When no engine is left to serve (a run with one engine), the replacements
+that are up are :meth:`EngineMonitor.stranded`: the driver gives them the weights during the rollout
+(``vime.ray.run.Run.wait_rollout``) instead of at the next sync, which would never come.
 An engine that dies more than ``--rollout-max-engine-restarts`` times stops the run with its log tail. A router
 that vime started and that dies is restarted on its address with every admitted engine.
 """
@@ -48,9 +50,13 @@ class EngineMonitor:
         self.router = router  # the router vime started (None: an external one, not restarted)
         self.router_restarts = 0
         self.make_engine = make_engine
-        self.lock = threading.Lock()  # guards self.engines and waiting_for_weights
+        self.lock = threading.Lock()  # guards self.engines, starting and waiting_for_weights
         self._replacing = threading.Lock()  # one checker at a time: the thread or ensure_healthy
-        self.waiting_for_weights: set[int] = set()
+        # slot -> (when its engine died, when its replacement started): replacements not up yet
+        self.starting: dict[int, tuple[float, float]] = {}
+        self.waiting_for_weights: set[int] = (
+            set()
+        )  # slots whose replacement is up, without the current weights
         self.restarts = [0] * len(engines)
         self.fatal: BaseException | None = None
         self.time_lost_s = 0.0
@@ -93,15 +99,24 @@ class EngineMonitor:
             logger.info("engines %s rejoined the router with the current weights", urls)
 
     def stranded(self) -> list[str]:
-        """The replacements' URLs when every engine waits for weights (none is left to serve the rollout); else
-        none."""
+        """When no engine is left to serve the rollout: the URLs of the replacements that are up, waiting for
+        weights (slot order; none while they all still start). Else none."""
         with self.lock:
-            if len(self.waiting_for_weights) < len(self.engines):
+            if len(self.waiting_for_weights) + len(self.starting) < len(self.engines):
                 return []
-            return [engine.url for engine in self.engines]
+            return [self.engines[slot].url for slot in sorted(self.waiting_for_weights)]
+
+    def live_urls(self) -> list[str]:
+        """The engines that are up (serving, or waiting for weights), in slot order: what a weight sync reaches."""
+        with self.lock:
+            return self._live_urls()
+
+    def _live_urls(self) -> list[str]:  # under self.lock
+        return [engine.url for slot, engine in enumerate(self.engines) if slot not in self.starting]
 
     def ensure_healthy(self) -> None:
-        """Check every engine now and replace the dead ones (before a weight sync, so it reaches live engines)."""
+        """Check every engine now: replace the dead ones, note the replacements that came up (before a weight
+        sync, so it reaches every engine that is up). Never waits for a replacement to start."""
         self._check_all()
         self.raise_if_fatal()
 
@@ -124,11 +139,13 @@ class EngineMonitor:
             for slot in range(len(self.engines)):
                 if self._stop.is_set() or self.fatal is not None:
                     return
-                if not self._healthy(self.engines[slot]):
-                    try:
+                try:
+                    if slot in self.starting:
+                        self._check_start(slot)
+                    elif not self._healthy(self.engines[slot]):
                         self._replace(slot)
-                    except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
-                        self.fatal = e
+                except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
+                    self.fatal = e
 
     def _healthy(self, server: EngineHandle | ServerProcess, path: str = "/health") -> bool:
         if not server.is_alive():
@@ -158,14 +175,18 @@ class EngineMonitor:
         router.wait_ready_sync()
         self.router = router
         with self.lock:
-            admitted = [e for i, e in enumerate(self.engines) if i not in self.waiting_for_weights]
+            admitted = [
+                e
+                for i, e in enumerate(self.engines)
+                if i not in self.waiting_for_weights and i not in self.starting
+            ]
         # only live engines: vllm-router's POST /workers waits until a worker is healthy, so a hung one would hold the
         # monitor; the engine check that follows replaces it
         run(register_workers(self.router_url, [e.url for e in admitted if self._healthy(e)]))
         self.time_lost_s += time.monotonic() - started
 
     def _replace(self, slot: int) -> None:
-        started = time.monotonic()
+        """Take slot ``slot``'s dead engine out and start its replacement (not waiting for it)."""
         dead = self.engines[slot]
         logger.warning("engine %d at %s is dead or hung; replacing it", slot, dead.url)
         try:
@@ -173,7 +194,7 @@ class EngineMonitor:
         except Exception as e:  # noqa: BLE001 -- the router may be restarting; the engine is gone anyway
             logger.warning("could not remove %s from the router: %s", dead.url, e)
         tail = dead.log_tail(40)
-        dead.stop(grace_s=5.0)
+        dead.stop(grace_s=1.0)  # dead or hung: what is left of it gets no use out of a graceful stop
         self.restarts[slot] += 1
         if self.restarts[slot] > self.args.rollout_max_engine_restarts:
             raise RuntimeError(
@@ -182,10 +203,25 @@ class EngineMonitor:
             )
         engine = self.make_engine(slot)
         engine.start()
-        engine.wait_ready_sync()
+        now = time.monotonic()
         with self.lock:
             self.engines[slot] = engine
-            self.waiting_for_weights.add(slot)
-            self.args.rollout_engine_urls = [e.url for e in self.engines]  # where the rollout aborts requests
-        self.time_lost_s += time.monotonic() - started
-        logger.warning("engine %d restarted at %s; it rejoins after the next weight sync", slot, engine.url)
+            # down since the first death when a replacement died while starting
+            self.starting[slot] = (self.starting.get(slot, (now, now))[0], now)
+            self.waiting_for_weights.discard(slot)
+            self.args.rollout_engine_urls = self._live_urls()  # where the rollout aborts requests
+        logger.warning("engine %d starting again at %s", slot, engine.url)
+
+    def _check_start(self, slot: int) -> None:
+        """A replacement that is up waits for weights; one that died or outlived ``--engine-start-timeout`` while
+        starting is replaced again (it counts as a restart)."""
+        engine, (down_since, launched) = self.engines[slot], self.starting[slot]
+        if self._healthy(engine):
+            with self.lock:
+                del self.starting[slot]
+                self.waiting_for_weights.add(slot)
+                self.args.rollout_engine_urls = self._live_urls()
+            self.time_lost_s += time.monotonic() - down_since
+            logger.warning("engine %d is up at %s; it rejoins after the next weight sync", slot, engine.url)
+        elif not engine.is_alive() or time.monotonic() - launched > self.args.engine_start_timeout:
+            self._replace(slot)
