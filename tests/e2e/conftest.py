@@ -12,6 +12,7 @@ import importlib.util
 import ipaddress
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -194,3 +195,19 @@ def non_loopback_listeners(marker: str) -> list[str]:
 def read_metrics(log_dir: Path) -> list[dict]:
     """The records of ``log_dir/metrics.jsonl``."""
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def release_sync_when_replacement_is_up(
+    log_dir: Path, hold_dir: Path, version: int, done: threading.Event
+) -> None:
+    """Hold weight sync ``version`` (``HOLD_ENV``) until a replaced engine's server is up, so the sync after it
+    reaches the replacement and the last rollout runs on it too (a run of a few seconds per rollout would otherwise
+    end before a 20 s start)."""
+    while not done.is_set():
+        if any(
+            "Application startup complete" in p.read_text(errors="replace")
+            for p in log_dir.glob("engine_*.restart1.log")
+        ):
+            break
+        time.sleep(0.2)
+    (hold_dir / f"hold_{version}").unlink(missing_ok=True)

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import marked_processes, read_metrics, run_env, wait_until_no_marked_processes
+from conftest import (
+    marked_processes,
+    read_metrics,
+    release_sync_when_replacement_is_up,
+    run_env,
+    wait_until_no_marked_processes,
+)
 
 from vime.backends.vllm_utils.weight_sync import HOLD_ENV
 
@@ -50,22 +56,6 @@ def _kill_in_sync(marker: str, hold_dir: Path, done: threading.Event, killed: li
             break
         time.sleep(0.05)
     (hold_dir / "hold_2").unlink(missing_ok=True)
-
-
-def _release_when_replacement_is_up(
-    log_dir: Path, hold_dir: Path, version: int, done: threading.Event
-) -> None:
-    """Hold weight sync ``version`` (``HOLD_ENV``) until a replaced engine's server is up, so the sync after it
-    reaches the replacement and the last rollout runs on it too (a run of a few seconds per rollout would otherwise
-    end before a 20 s start)."""
-    while not done.is_set():
-        if any(
-            "Application startup complete" in p.read_text(errors="replace")
-            for p in log_dir.glob("engine_*.restart1.log")
-        ):
-            break
-        time.sleep(0.2)
-    (hold_dir / f"hold_{version}").unlink(missing_ok=True)
 
 
 SERVERS = {"engine": "vllm.entrypoints.openai.api_server", "router": "vllm::router"}
@@ -158,7 +148,7 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
     if num_engines == 2:
         (hold_dir / "hold_4").touch()
         threads.append(
-            threading.Thread(target=_release_when_replacement_is_up, args=(log_dir, hold_dir, 4, done))
+            threading.Thread(target=release_sync_when_replacement_is_up, args=(log_dir, hold_dir, 4, done))
         )
     for thread in threads:
         thread.start()

@@ -28,23 +28,26 @@ from conftest import (
     marked_processes,
     new_marker,
     read_metrics,
+    release_sync_when_replacement_is_up,
     wait_until_no_marked_processes,
 )
 
+from vime.backends.vllm_utils.weight_sync import HOLD_ENV
 from vime.utils.process_group import group_members
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
-NUM_ROLLOUT = 3
+# sync 3 waits until the replacement is up (the test holds it), sync 4 admits it, and rollout 3 runs on it
+NUM_ROLLOUT = 4
 ENGINE_LINE = re.compile(
     r"\[vime\] engine (\d) \(policy\): (\S+) on node (\w+) \((\S+)\), server pid (\d+) \(owned by actor pid (\d+)\)"
 )
 
 
 @pytest.fixture
-def two_nodes(monkeypatch):
+def two_nodes(monkeypatch, tmp_path):
     """A head (2 CPUs) and a second node (1 CPU); their processes carry a marker (the nodes inherit this process's
-    environment, and their workers the nodes')."""
+    environment, and their workers the nodes'), and weight sync 3 is held (``HOLD_ENV``, ``tmp_path/hold``)."""
     from ray.cluster_utils import Cluster
 
     marker = new_marker("two-nodes")
@@ -52,6 +55,9 @@ def two_nodes(monkeypatch):
     for key, value in OFFLINE_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
+    (tmp_path / "hold").mkdir()
+    (tmp_path / "hold" / "hold_3").touch()
+    monkeypatch.setenv(HOLD_ENV, str(tmp_path / "hold"))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         second = cluster.add_node(num_cpus=1)
@@ -134,7 +140,8 @@ def test_one_engine_per_node_owned_there_synced_and_restarted_there(tiny_model_d
         env={**os.environ, "RAY_ADDRESS": cluster.address},
     )  # fmt: skip
     lines, engines, done = [], {}, threading.Event()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pool.submit(release_sync_when_replacement_is_up, log_dir, tmp_path / "hold", 3, done)
         for line in run.stdout:  # while the run is up: where its engines are, and their processes
             lines.append(line)
             if match := ENGINE_LINE.search(line):

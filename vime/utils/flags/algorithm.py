@@ -178,7 +178,7 @@ ALGORITHM = [
         dict(
             action="store_true",
             help="Replace dead or hung engines during the run: requests in flight on them are sent again, the "
-            "replacement rejoins after the next weight sync.",
+            "others serve while the replacement starts, and it rejoins after the first weight sync once it is up.",
         ),
     ),
     (
