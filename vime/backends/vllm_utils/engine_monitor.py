@@ -54,9 +54,8 @@ class EngineMonitor:
         self._replacing = threading.Lock()  # one checker at a time: the thread or ensure_healthy
         # slot -> (when its engine died, when its replacement started): replacements not up yet
         self.starting: dict[int, tuple[float, float]] = {}
-        self.waiting_for_weights: set[int] = (
-            set()
-        )  # slots whose replacement is up, without the current weights
+        # slots whose replacement is up, without the current weights
+        self.waiting_for_weights: set[int] = set()
         self.restarts = [0] * len(engines)
         self.fatal: BaseException | None = None
         self.time_lost_s = 0.0
