@@ -31,9 +31,6 @@ from vime.backends.vllm_utils.weight_sync import HOLD_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
-# A sync goes on without a replacement that is still starting: the sync after a death waits for the dead engine's
-# stop and the replacement's launch (a few seconds), not for its start (20+ s here; a sync of the tiny model: < 1 s).
-NO_WAIT_S = 15.0
 
 
 def _api_servers(marker: str) -> list[int]:
@@ -181,7 +178,8 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
         # the sync after the death (in-sync: its retry, logged with rollout 0; else the one after the rollout it
         # died in, logged with rollout 1) went on with the survivor instead of waiting for the replacement's start
         after_death = records[0 if in_sync else 1]
-        assert after_death["time/sync_s"] < NO_WAIT_S, records
+        assert after_death["weight_sync/engines"] == 1, records
+    assert records[-1]["weight_sync/engines"] == num_engines, records  # the replacement rejoined
 
     # requests in flight on the killed engine were sent again: by vllm-router itself (it retries a request whose
     # worker connection broke) or by the rollout (fault/requeued_samples); either way none is lost or doubled

@@ -208,6 +208,23 @@ def _members(pgid: int) -> list[int]:
     return alive
 
 
+def test_nothing_the_guard_started_outlives_stop(tmp_path):
+    # The guard's watchdog lives in a session of its own, outside the group stop() ends: the guard ends it too.
+    server = _server(tmp_path, SERVER_SCRIPT).start()
+    guard = psutil.Process(server.proc.pid)
+    deadline = time.monotonic() + 10
+    while len(guard.children(recursive=True)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    started = guard.children(recursive=True)
+    [watchdog] = [p for p in started if "--watch" in p.cmdline()]  # and the server, and its child
+    watchdog.suspend()  # a slow one: left alone, it would be alive after stop() returns
+    server.stop()
+    left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for proc in left:
+        proc.kill()
+    assert left == []
+
+
 def test_stop_escalates_to_sigkill_and_the_safety_net_stops_running_servers(tmp_path):
     script = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(300)"
     server = _server(tmp_path, script)

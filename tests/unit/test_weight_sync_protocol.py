@@ -72,9 +72,10 @@ def _buckets():
 
 
 def test_protocol_pauses_moves_resets_and_resumes_in_order(engines):
-    metrics = weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(), version=7)
+    metrics = weight_sync.sync_weights(["http://e0", "http://e1"], _buckets(), FakeTransport(), version=7)
     assert engines.calls == ["stage", "pause", "move", "reset_prefix_cache", "resume", "close"]
     assert metrics["weight_sync/bytes"] == 20 and metrics["weight_sync/version"] == 7
+    assert metrics["weight_sync/engines"] == 2
     assert metrics["weight_sync/gb_per_s"] > 0
 
 

@@ -4,7 +4,8 @@
 guard's own process group. When the launcher dies, even by SIGKILL (e.g. Ray tearing down the rollout manager
 after the driver was killed), Linux sends the guard SIGTERM (``PR_SET_PDEATHSIG``): it stops COMMAND, then kills
 whatever else is left in its process group (vLLM's engine core and workers are grandchildren that a killed API
-server leaves behind). It does the same cleanup when COMMAND exits by itself, and exits with COMMAND's code.
+server leaves behind). It does the same cleanup when COMMAND exits by itself, and exits with COMMAND's code once its
+watchdog (below) is gone too, so nothing of the server outlives a guard that exited.
 If the guard itself is SIGKILLed (Ray does that to a dead actor's direct children), COMMAND still gets SIGTERM (it
 carries the same parent-death signal), and the guard's watchdog (``process_guard --watch GUARD_PID``, a child in a
 session of its own, so Ray does not reach it) SIGKILLs whatever of the guard's process group is still alive
@@ -53,7 +54,7 @@ def main(argv: list[str]) -> int:
     term_on_parent_death()
     if os.getppid() != int(argv[0]):  # the launcher died before the line above
         return 1
-    subprocess.Popen(
+    watchdog = subprocess.Popen(
         [sys.executable, "-m", __spec__.name, "--watch", str(os.getpid())],
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # out of the group the guard ends (and out of Ray's reach when it kills the guard)
@@ -75,6 +76,8 @@ def main(argv: list[str]) -> int:
             child.kill()
         time.sleep(0.2)
     end_group(os.getpgrp(), GRACE_S)
+    watchdog.kill()  # the group is ended: nothing left for it to do
+    watchdog.wait()
     return returncode if returncode >= 0 else 128 - returncode
 
 

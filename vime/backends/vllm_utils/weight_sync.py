@@ -38,7 +38,8 @@ def sync_weights(
 ) -> dict[str, float]:
     """Push ``buckets`` to every engine at ``engine_urls`` as weight version ``version`` (see the module docstring).
     Rank 0 returns ``weight_sync/time_s`` (pause to resume, staging included), ``weight_sync/bytes``,
-    ``weight_sync/gb_per_s`` and ``weight_sync/version``; the other ranks return ``{}``."""
+    ``weight_sync/gb_per_s``, ``weight_sync/version`` and ``weight_sync/engines`` (how many it reached: fewer than
+    the run's while a replacement starts); the other ranks return ``{}``."""
     start = time.perf_counter()
     with EngineGroup(engine_urls) if rank == 0 else nullcontext() as engines:
         buckets, staged_bytes = transport.stage(buckets, rank, version)
@@ -61,6 +62,7 @@ def sync_weights(
         "weight_sync/bytes": float(nbytes),
         "weight_sync/gb_per_s": nbytes / elapsed / 1e9,
         "weight_sync/version": float(version),
+        "weight_sync/engines": float(len(engine_urls)),
     }
 
 
