@@ -55,6 +55,7 @@ def _kill_in_sync(marker: str, hold_dir: Path, done: threading.Event, killed: li
     (hold_dir / "hold_2").unlink(missing_ok=True)
 
 
+PROMPTS, SAMPLES = 8, 8  # per rollout: 64 requests, enough to have some in flight on the engine that dies
 SERVERS = {"engine": "vllm.entrypoints.openai.api_server", "router": "vllm::router"}
 
 
@@ -114,17 +115,17 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
     marker = f"ft-{os.getpid()}-{time.time_ns()}"
     log_dir = tmp_path / "logs"
     in_sync = signals == "in-sync"
-    # With two engines the survivor serves while the replacement starts. Sync 4 is held until the replacement is up
-    # and sync 5 admits it: the last rollout runs on both (train_async.py generates it before the sync that ends
-    # the step, so one rollout more). With one engine the rollout waits for the replacement.
-    num_rollout = 4 if num_engines == 1 else 6 if script == "train_async.py" else 5
+    # With two engines the survivor serves while the replacement starts. Sync 3 (after rollout 1) is held until the
+    # replacement is up and sync 4 admits it: the last rollout runs on both (train_async.py generates it before the
+    # sync that ends the step, so one rollout more). With one engine the rollout waits for the replacement.
+    num_rollout = 5 if script == "train_async.py" and num_engines == 2 else 4
     argv = [
         sys.executable, str(REPO / script), "--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir),
         "--prompt-data", str(tiny_model_dir / "train.jsonl"), "--rm-type", "exact",
-        "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "96",
+        "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES), "--rollout-max-response-len", "96",
         "--rollout-function-path", "bench.fixed_length.generate_rollout",
         "--num-rollout", str(num_rollout), "--lr", "1e-3", "--rollout-num-gpus", str(num_engines),
-        "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "3",
+        "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
         "--save-debug-rollout-data", str(tmp_path / "rollouts" / "rollout_{rollout_id}.json"),
         "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "160",
     ]  # fmt: skip
@@ -143,9 +144,9 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
             )
         )
     if num_engines == 2:
-        (hold_dir / "hold_4").touch()
+        (hold_dir / "hold_3").touch()
         threads.append(
-            threading.Thread(target=release_sync_when_replacement_is_up, args=(log_dir, hold_dir, 4, done))
+            threading.Thread(target=release_sync_when_replacement_is_up, args=(log_dir, hold_dir, 3, done))
         )
     for thread in threads:
         thread.start()
@@ -184,15 +185,15 @@ def test_a_dead_or_hung_server_is_replaced_and_no_sample_is_lost(
     # requests in flight on the killed engine were sent again: by vllm-router itself (it retries a request whose
     # worker connection broke) or by the rollout (fault/requeued_samples); either way none is lost or doubled
     assert all("fault/requeued_samples" in r for r in records)
-    # every rollout is whole: 16 prompts x 8 samples, all generated; no prompt twice in the epoch
+    # every rollout is whole: PROMPTS groups of SAMPLES, all generated; no prompt twice in the epoch
     prompts = []
     for rollout_id in range(num_rollout):
         data = json.loads((tmp_path / "rollouts" / f"rollout_{rollout_id}.json").read_text())
         groups = data["samples"]
-        assert len(groups) == 16 and all(len(g) == 8 for g in groups)
+        assert len(groups) == PROMPTS and all(len(g) == SAMPLES for g in groups)
         assert all(s["status"] in ("completed", "truncated") for g in groups for s in g), rollout_id
         prompts += [g[0]["metadata"]["prompt_index"] for g in groups]
-    assert len(prompts) == len(set(prompts)) == 16 * num_rollout
+    assert len(prompts) == len(set(prompts)) == PROMPTS * num_rollout
 
     # the engines of one machine compute on their own cores (vLLM logs the cores its worker binds to); a
     # replacement keeps its slot's
