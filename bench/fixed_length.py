@@ -28,3 +28,10 @@ async def generate_drawn_length(args, sample, sampling_params):
     length = random.Random(sample.index).randint(max(mean // 2, 1), mean + mean // 2)
     params = sampling_params | {"ignore_eos": True, "max_tokens": min(length, sampling_params["max_tokens"])}
     return await generate(args, sample, params)
+
+
+async def last_token_parity(args, sample, **kwargs) -> float:
+    """``--custom-rm-path`` for benchmarks of random-init models, whose responses never match a label: 1 when the
+    response's last token id is odd, else 0. About half the samples of a group score 1, so GRPO's advantages (and the
+    policy gradient) are not all zero, and the reward depends only on the sample."""
+    return float(sample.tokens[-1] % 2) if sample.response_length else 0.0

@@ -1,5 +1,6 @@
-"""Model shapes the GPU benchmarks use (random-init Qwen3 checkpoints built on the machine, vocab 61), and the
-helpers every benchmark shares: build (or reuse) a checkpoint, count its parameters, write a JSON result."""
+"""Model shapes the GPU benchmarks use (random-init Qwen3 checkpoints built on the machine with Qwen3's 151,936-token
+vocabulary), and the helpers every benchmark shares: build (or reuse) a checkpoint, count its parameters, write a
+JSON result."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# make_tiny_model flags of each shape (Qwen3 dense layouts; vocab is the tiny model's 61 tokens, so the LM head
-# is negligible and every figure is about the transformer body).
+# make_tiny_model flags of each shape (Qwen3 dense layouts); the vocabulary is set apart (build_shape's vocab_size).
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {},
     "0.6b": dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -35,24 +35,39 @@ def shape_flags(shape: str) -> dict[str, int]:
     return SHAPES[shape]
 
 
+# Qwen3's vocabulary (every Qwen3 size): the LM head and the [tokens, vocab] logits are part of every figure. The
+# tokenizer is make_tiny_model's char vocab padded with filler tokens up to it; "tiny" keeps its own 61.
+QWEN3_VOCAB_SIZE = 151936
+
 # dense bf16 tensor-core peak by the vendor's datasheet (H100 SXM and H200 share it), for MFU
 PEAK_BF16_FLOPS = 989e12
 CACHE = Path(os.environ.get("VIME_BENCH_CACHE", "/tmp/vime-bench"))
 
 
-def build_shape(shape: str, dtype: str = "bfloat16", max_position_embeddings: int = 4096) -> Path:
-    """The HF checkpoint of ``shape`` under ``$VIME_BENCH_CACHE`` (built once per machine), with the add3 task
-    data for prompts."""
-    from vime.tools.make_tiny_model import build_tiny_model
+def build_shape(
+    shape: str, dtype: str = "bfloat16", max_position_embeddings: int = 4096, vocab_size: int | None = None
+) -> Path:
+    """The HF checkpoint of ``shape`` under ``$VIME_BENCH_CACHE`` (built once per machine, seed 0), with the add3
+    task data for prompts; ``vocab_size`` defaults to Qwen3's (the tiny shape: its own 61)."""
+    from vime.tools.make_tiny_model import VOCAB_SIZE, build_tiny_model
 
-    out = CACHE / f"{shape}-{dtype}"
+    vocab_size = vocab_size or (VOCAB_SIZE if shape == "tiny" else QWEN3_VOCAB_SIZE)
+    out = CACHE / f"{shape}-{dtype}-vocab{vocab_size}"
     if (out / "config.json").exists():
         return out
     started = time.monotonic()
     build_tiny_model(
-        out, seed=0, dtype=dtype, max_position_embeddings=max_position_embeddings, **shape_flags(shape)
+        out,
+        seed=0,
+        dtype=dtype,
+        max_position_embeddings=max_position_embeddings,
+        vocab_size=vocab_size,
+        **shape_flags(shape),
     )
-    print(f"[bench] built {shape} ({dtype}) in {time.monotonic() - started:.0f} s -> {out}", flush=True)
+    print(
+        f"[bench] built {shape} ({dtype}, vocab {vocab_size}) in {time.monotonic() - started:.0f} s -> {out}",
+        flush=True,
+    )
     return out
 
 

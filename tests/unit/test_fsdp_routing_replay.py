@@ -195,6 +195,30 @@ def test_every_actor_forward_uses_the_rollouts_experts_at_their_packed_positions
             assert torch.equal(part[replayed], expected[:, layer])
 
 
+def test_the_paired_diff_without_replay_scores_the_same_batch_on_the_trainers_own_routing(moe_dir):
+    """--log-logprob-diff-without-replay: R3's step also reports the diff its batch has on the trainer's routing."""
+    samples = make_samples()
+    for s in samples:
+        s.rollout_routed_experts = other_experts(own_routing(hf_model(moe_dir), s.tokens))[:-1]
+    free = FSDPTrainer(make_args(moe_dir)).compute_log_probs(samples)
+    replayed = FSDPTrainer(make_args(moe_dir, "--use-rollout-routing-replay")).compute_log_probs(samples)
+    trainer = FSDPTrainer(
+        make_args(moe_dir, "--use-rollout-routing-replay", "--log-logprob-diff-without-replay")
+    )
+    metrics = trainer.train(0, samples, REWARDS)
+
+    def diff(log_probs):
+        pairs = zip(log_probs, samples, strict=True)
+        tokens = torch.cat([(lp - torch.tensor(s.rollout_log_probs)).abs() for lp, s in pairs])
+        return float(tokens.mean())
+
+    assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(diff(replayed), abs=1e-6)
+    assert metrics["train_rollout_logprob_abs_diff_without_replay"] == pytest.approx(diff(free), abs=1e-6)
+    assert abs(diff(free) - diff(replayed)) > 1e-3  # the forced experts make the two passes differ
+    plain = FSDPTrainer(make_args(moe_dir, "--log-logprob-diff-without-replay")).train(0, samples, REWARDS)
+    assert "train_rollout_logprob_abs_diff_without_replay" not in plain  # without R3 the diff is already that
+
+
 def test_replaying_the_models_own_routing_changes_nothing(moe_dir):
     samples = make_samples()
     reference = hf_model(moe_dir)

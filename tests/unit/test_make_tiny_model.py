@@ -168,3 +168,30 @@ def test_cli(tmp_path, capsys):
 def test_small_head_dim_refused(tmp_path):
     with pytest.raises(ValueError, match="head_dim"):
         build_tiny_model(tmp_path, head_dim=16, hidden_size=32)
+
+
+def test_real_vocabulary_pads_the_char_tokenizer(tmp_path):
+    """--vocab-size 151936 (Qwen3's): the model and tokenizer cover every id; text encodes as before, and a sampled
+    filler id decodes to its own text."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    main(
+        [
+            str(tmp_path / "m"),
+            "--no-data",
+            "--vocab-size",
+            "151936",
+            "--hidden-size",
+            "64",
+            "--head-dim",
+            "64",
+        ]
+    )
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert len(tok) == 151936 == AutoConfig.from_pretrained(tmp_path / "m").vocab_size
+    for text in TASK_TEXT:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert max(ids) < VOCAB_SIZE and tok.decode(ids) == text
+    assert tok.decode([151935]) == "<|t151935|>" and tok.eos_token == IM_END
+    with pytest.raises(ValueError, match="at least 61 ids"):
+        build_tiny_model(tmp_path / "small", task=None, vocab_size=10)

@@ -556,12 +556,25 @@ class TrainerBase:
             metrics["train_rollout_logprob_abs_diff"] = self._masked_mean(
                 [(x.cpu() - y.cpu()).abs() for x, y in zip(log_probs, rollout_log_probs, strict=True)], masks
             )
+            if args.log_logprob_diff_without_replay and self.routing is not None and self.routing.rollout:
+                own = self._log_probs_own_routing(samples, old_policy)
+                metrics["train_rollout_logprob_abs_diff_without_replay"] = self._masked_mean(
+                    [(x.cpu() - y.cpu()).abs() for x, y in zip(own, rollout_log_probs, strict=True)], masks
+                )
         if args.get_mismatch_metrics:
             if rollout_log_probs is None:
                 raise ValueError("--get-mismatch-metrics needs the engine's log-probs (rollout_log_probs)")
             trainer_log_probs = self.compute_log_probs(samples) if args.use_rollout_logprobs else log_probs
             metrics |= self._mismatch_metrics(trainer_log_probs, rollout_log_probs, masks)
         return data, metrics
+
+    def _log_probs_own_routing(self, samples: list[Sample], model: str) -> PerSample:
+        """:meth:`compute_log_probs` of ``model`` with every MoE router on its own choice, even under R3."""
+        plan, self.routing = self.routing, None
+        try:
+            return self.compute_log_probs(samples, model)
+        finally:
+            self.routing = plan
 
     def _mismatch_metrics(self, train: PerSample, rollout: PerSample, masks: PerSample) -> dict[str, float]:
         """``--get-mismatch-metrics``: :func:`~vime.utils.mismatch.mismatch_metrics` over all ranks' tokens."""

@@ -259,9 +259,15 @@ def first_rollout_id(args: argparse.Namespace, last_saved: int | None) -> int:
     return 0 if last_saved is None else last_saved + 1
 
 
+def _print_elapsed(what: str, started: float) -> None:
+    """Start-up progress on the console: a slow start says which part was slow."""
+    print(f"[vime] {what} {time.monotonic() - started:.0f} s after start", flush=True)
+
+
 def start_run(args: argparse.Namespace) -> Run:
     """Start Ray, the engines + router, the training groups; resume from ``--load``; push the first weights."""
     check_run_paths(args)
+    started = time.monotonic()
     init_ray(args)
     log_dir = run_dir(args)
     pgs = create_placement_groups(args)
@@ -275,6 +281,7 @@ def start_run(args: argparse.Namespace) -> Run:
         if args.colocate or args.offload_train:
             for group in groups:  # engines then start on the memory the trainers left (or freed)
                 group.wait_ready()
+            _print_elapsed("trainers built", started)
         if args.offload_train:
             if pgs["actor"].resource != "GPU":
                 raise ValueError("--offload-train moves training state off GPUs: this run's trainer has none")
@@ -285,8 +292,10 @@ def start_run(args: argparse.Namespace) -> Run:
             colocated = args.colocate and actor is not None
             slots = actor.slots()[: args.rollout_num_gpus] if colocated else bundle_slots(pgs["rollout"])
         manager = create_rollout_manager(args, pgs["rollout"], str(log_dir), WORKER_EXTENSION, slots)
+        _print_elapsed("engines and router up", started)
         for group in groups:
             group.wait_ready()
+        _print_elapsed("trainers ready", started)
         if args.offload_train:
             if args.offload_rollout and not args.debug_train_only:
                 ray.get(manager.sleep.remote())  # the first weight sync wakes them
@@ -297,6 +306,7 @@ def start_run(args: argparse.Namespace) -> Run:
             critic.load()
         if last is not None:
             ray.get(manager.load.remote(last, args.load))
+            _print_elapsed(f"checkpoint of rollout {last} loaded", started)
         args.num_rollout = args.num_rollout or args.num_epoch * ray.get(
             manager.num_rollout_per_epoch.remote()
         )
@@ -305,6 +315,7 @@ def start_run(args: argparse.Namespace) -> Run:
         )
         run = Run(args, manager, actor, critic, Tracker(args, log_dir), log_dir, start)
         run.sync_weights()
+        _print_elapsed("first weight sync done", started)
         return run
     except BaseException:
         if manager is not None:

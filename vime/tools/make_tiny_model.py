@@ -10,7 +10,9 @@ writes into OUT:
   **character-level** vocab (digits, lowercase letters, whitespace, punctuation) so the embedding table stays
   tiny (~60 rows) and ``decode(encode(s)) == s`` holds exactly for task text; special tokens
   ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos, as in Qwen3 chat models) and ``<|unk|>``
-  for characters outside the vocab; a Qwen-style chat template. No BOS is ever added;
+  for characters outside the vocab; a Qwen-style chat template. No BOS is ever added. ``--vocab-size N``
+  (e.g. Qwen3's 151936, for benchmarks with the real LM head) pads it with filler tokens ``<|t{id}|>`` that
+  text never encodes to but that a model may sample and that decode to themselves;
 - ``train.jsonl`` / ``eval.jsonl`` rows ``{"prompt", "label", "metadata"}`` of a prompt-conditional task whose
   answer is one character, so a random-init model learns it by GRPO within minutes on 2 CPU cores.
 
@@ -45,12 +47,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> Any:
-    """A char-level ``PreTrainedTokenizerFast``: ids 0..3 are the special tokens, then one id per char."""
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+    """A char-level ``PreTrainedTokenizerFast``: ids 0..3 are the special tokens, then one id per char, then (up to
+    ``vocab_size``) filler tokens ``<|t{id}|>``, which the char-splitting pre-tokenizer never produces from text."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(f"vocab_size={vocab_size}: the char tokenizer needs at least {VOCAB_SIZE} ids")
+    tokens = SPECIAL_TOKENS + list(CHARS) + [f"<|t{i}|>" for i in range(VOCAB_SIZE, vocab_size)]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # Every character is its own pre-token; Fuse joins decoded tokens without the default " " separator.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -224,13 +230,14 @@ def build_tiny_model(
     num_train: int = 1000,
     num_eval: int = 20,
     max_position_embeddings: int = 512,
+    vocab_size: int = VOCAB_SIZE,
     **shape: Any,
 ) -> Path:
-    """Write tokenizer, model (``shape``: the sizes and dtype :func:`build_model` takes) and (unless ``task`` is
-    None) the task dataset into ``out_dir``; return it."""
+    """Write tokenizer (``vocab_size`` ids), model (``shape``: the sizes and dtype :func:`build_model` takes) and
+    (unless ``task`` is None) the task dataset into ``out_dir``; return it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(vocab_size)
     tokenizer.model_max_length = max_position_embeddings
     model = build_model(len(tokenizer), seed, max_position_embeddings=max_position_embeddings, **shape)
     model.save_pretrained(out, safe_serialization=True)
@@ -279,6 +286,12 @@ def main(argv: list[str] | None = None) -> None:
         default = defaults[name].default
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=help_text)
     p.add_argument("--max-position-embeddings", type=int, default=512)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=VOCAB_SIZE,
+        help="pad the char vocab with filler tokens up to this many ids (Qwen3: 151936)",
+    )
     a = p.parse_args(argv)
     out = build_tiny_model(
         a.out_dir,
@@ -287,10 +300,11 @@ def main(argv: list[str] | None = None) -> None:
         num_train=a.num_train,
         num_eval=a.num_eval,
         max_position_embeddings=a.max_position_embeddings,
+        vocab_size=a.vocab_size,
         **{name: getattr(a, name) for name in SHAPE_FLAGS},
     )
     ids = ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
-    print(f"model + tokenizer (vocab {VOCAB_SIZE}; {ids}) -> {out.resolve()}")
+    print(f"model + tokenizer (vocab {a.vocab_size}; {ids}) -> {out.resolve()}")
     if not a.no_data:
         print(f"task {a.task}: {a.num_train} train rows -> {out.resolve() / 'train.jsonl'}")
         print(f"task {a.task}: {a.num_eval} eval rows -> {out.resolve() / 'eval.jsonl'}")

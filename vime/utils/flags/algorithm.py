@@ -267,6 +267,15 @@ ALGORITHM = [
         ),
     ),
     (
+        "--log-logprob-diff-without-replay",
+        dict(
+            action="store_true",
+            help="With --use-rollout-routing-replay: also score the old log-probs with the trainer's own routing "
+            "(one more forward pass per step) and log train/train_rollout_logprob_abs_diff_without_replay, the "
+            "train-vs-rollout difference the same batch has without R3 (the paired comparison).",
+        ),
+    ),
+    (
         "--use-rollout-logprobs",
         dict(action="store_true", help="Use the engine's log-probs as the old policy."),
     ),
