@@ -48,7 +48,7 @@ def train_argv(opts, model_dir: Path, state: Path, load: bool) -> list[str]:
         "--custom-generate-function-path", "bench.fixed_length.generate_drawn_length",
         "--rollout-batch-size", str(opts.prompts), "--n-samples-per-prompt", str(opts.n_samples),
         "--rollout-max-response-len", str(opts.max_response_len), "--rollout-temperature", "1",
-        "--num-rollout", str(opts.steps), "--seed", str(opts.seed), "--rollout-seed", str(opts.seed),
+        "--num-rollout", str(opts.steps + 1), "--seed", str(opts.seed), "--rollout-seed", str(opts.seed),
         "--actor-num-gpus-per-node", str(opts.gpus), "--colocate", "--offload",
         "--rollout-num-gpus-per-engine", "1",
         "--vllm-gpu-memory-utilization", str(opts.gpu_memory_utilization), "--vllm-enforce-eager",
@@ -89,7 +89,7 @@ def step_records(state: Path) -> list[dict]:
 
 def write_state(opts, shape: str, state: Path, calls: list[dict], peak_gib: float) -> dict:
     """The result JSON of every step so far (also copied to ``$OUT``); returns it."""
-    steps = step_records(state)
+    steps = [r for r in step_records(state) if r["rollout_id"] < opts.steps]  # not the unreported last one
     diffs = [r[METRIC] for r in steps]
     paired = [r[PAIRED] for r in steps if PAIRED in r]
     name = f"r3_logprob_diff_{shape}_{opts.gpus}gpu_{opts.mode}"
@@ -133,10 +133,11 @@ def write_state(opts, shape: str, state: Path, calls: list[dict], peak_gib: floa
     return result
 
 
-def run_train(opts, argv: list[str], log_path: Path, on_step) -> tuple[int, bool]:
+def run_train(opts, argv: list[str], log_path: Path, on_step) -> tuple[int, str | None]:
     """Run ``train.py``: every output line into ``log_path`` with the seconds since start, start-up and error lines
-    on the console too (as ``[bench] +<s>s ...``), ``on_step()`` after each step's line; SIGINT at
-    ``--time-limit-s``. Returns its exit code and whether the time limit stopped it."""
+    on the console too (as ``[bench] +<s>s ...``), ``on_step()`` after each step's line. SIGINT once ``on_step``
+    returns True (all steps done: ``train.py`` runs one rollout more than reported, so that its final checkpoint is
+    never written) or at ``--time-limit-s``. Returns its exit code and why it was stopped (None: it ended)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
@@ -147,18 +148,21 @@ def run_train(opts, argv: list[str], log_path: Path, on_step) -> tuple[int, bool
         start_new_session=True,
     )  # fmt: skip
 
-    stopped = []
+    stopped: list[str] = []
 
-    def stop() -> None:
-        stopped.append(True)
-        print(f"[bench] --time-limit-s {opts.time_limit_s}: stopping train.py", flush=True)
+    def stop(reason: str) -> None:
+        if stopped:
+            return
+        stopped.append(reason)
+        print(f"[bench] {reason}: stopping train.py", flush=True)
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
 
-    timer = threading.Timer(opts.time_limit_s, stop) if opts.time_limit_s else None
+    limit = f"--time-limit-s {opts.time_limit_s:g}"
+    timer = threading.Timer(opts.time_limit_s, stop, [limit]) if opts.time_limit_s else None
     if timer:
         timer.daemon = True
         timer.start()
@@ -169,12 +173,12 @@ def run_train(opts, argv: list[str], log_path: Path, on_step) -> tuple[int, bool
             log.flush()
             if line.startswith(("[vime]", "[rollout", "Traceback")) or "Error" in line:
                 print(f"[bench] {stamped}", end="", flush=True)
-            if line.startswith("[rollout"):
-                on_step()
+            if line.startswith("[rollout") and on_step():
+                threading.Thread(target=stop, args=["all steps done"], daemon=True).start()
     code = proc.wait()
     if timer:
         timer.cancel()
-    return code, bool(stopped)
+    return code, stopped[0] if stopped else None
 
 
 def compare(paths: list[str]) -> None:
@@ -254,7 +258,7 @@ def main() -> None:
     poller.start()
     launched = time.monotonic()
 
-    def on_step() -> None:
+    def on_step() -> bool:
         call.setdefault("first_step_s", round(time.monotonic() - launched, 1))
         call["wall_s"] = round(time.monotonic() - started, 1)
         calls_path.write_text(json.dumps(calls))
@@ -266,6 +270,7 @@ def main() -> None:
               + (f" (without replay {paired[-1]:.5f})" if paired else "")
               + "; " + ", ".join(f"{k.split('/')[1]} {v:.1f}" for k, v in times.items() if v is not None),
               flush=True)  # fmt: skip
+        return result["complete"]
 
     argv = train_argv(opts, model_dir, state, resumed_from is not None)
     code, stopped = run_train(opts, argv, state / "train.log", on_step)
@@ -273,7 +278,7 @@ def main() -> None:
     call |= {
         "wall_s": round(time.monotonic() - started, 1),
         "exit_code": code,
-        "stopped_at_time_limit": stopped,
+        "stopped": stopped,
     }
     calls_path.write_text(json.dumps(calls))
     write_state(opts, shape, state, calls, peak[0] / 1024)
