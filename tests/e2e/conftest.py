@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine import ServerProcess, VLLMEngine
 from vime.backends.vllm_utils.router import RouterProcess
 from vime.tools.make_tiny_model import build_tiny_model
@@ -134,6 +135,101 @@ def module_router_factory(tmp_path_factory, make_args) -> Iterator[Callable[...,
     launcher = Launcher(tmp_path_factory.mktemp("routers"), make_args)
     yield launcher.router
     launcher.stop_all()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The pool: two real engines for the tiny model, started once per session, shared by every test that only needs
+# serving (a train.py run attaches with --rollout-external-engine-addrs). Tests that kill, stop or sleep an engine
+# start their own. Each user gets the engines reset: the checkpoint's weights reloaded (checked against the
+# log-probs they gave when the pool started), the prefix cache dropped, generation resumed.
+
+POOL_SIZE = 2
+POOL_CONTEXT = 512
+WORKER_EXTENSION = ("--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension")
+# A fixed sequence whose log-probs fingerprint the weights an engine holds.
+PROBE_TOKENS = [1, 5, 9, 14, 3, 7, 11, 2, 8, 13]
+
+
+class EnginePool:
+    """The pool's engines (ready) and the tiny model they serve; :meth:`reset` gives them back their base state."""
+
+    def __init__(self, model_dir: Path, engines: list[VLLMEngine]):
+        self.model_dir = model_dir
+        self.engines = engines
+        self.base_log_probs = self._log_probs()
+
+    @property
+    def urls(self) -> list[str]:
+        return [engine.url for engine in self.engines]
+
+    def addrs(self, count: int = POOL_SIZE) -> list[str]:
+        """``--rollout-external-engine-addrs`` values for the first ``count`` engines."""
+        return [url.removeprefix("http://") for url in self.urls[:count]]
+
+    def _log_probs(self) -> list[list[float]]:
+        with EngineGroup(self.urls) as group:
+            return group.run(lambda engine: engine.prompt_log_probs(str(self.model_dir), PROBE_TOKENS))
+
+    def reset(self) -> None:
+        """Resume, drop any weight group, reload the checkpoint's weights and the prefix cache; then check every
+        engine scores the probe exactly as when the pool started."""
+
+        async def reset_one(engine):
+            await engine.resume()
+            await engine.collective_rpc("destroy_weight_update_group")
+            await engine.reload_weights(str(self.model_dir))
+            assert await engine.reset_prefix_cache()
+
+        for engine in self.engines:
+            assert engine.is_alive(), f"a pooled engine died (a test must not kill one): {engine.log_tail()}"
+        with EngineGroup(self.urls) as group:
+            group.run(reset_one)
+        assert self._log_probs() == self.base_log_probs, "a pooled engine did not get its base weights back"
+
+
+def without_vllm_flags(argv: list[str]) -> list[str]:
+    """``argv`` less its ``--vllm-*`` flags and their values (they configure engines a run starts itself)."""
+    kept, skipping = [], False
+    for token in argv:
+        if token.startswith("--"):
+            skipping = token.startswith("--vllm-")
+        if not skipping:
+            kept.append(token)
+    return kept
+
+
+@pytest.fixture(scope="session")
+def _engine_pool(tiny_model_dir, tmp_path_factory, make_args) -> Iterator[EnginePool]:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    log_dir = tmp_path_factory.mktemp("pool")
+    args = make_args(tiny_model_dir, "--vllm-max-model-len", str(POOL_CONTEXT))
+    engines = [
+        VLLMEngine(
+            args,
+            log_path=log_dir / f"engine_{i}.log",
+            extra_args=WORKER_EXTENSION,
+            env=OFFLINE_ENV,
+            cpu_share=(i, POOL_SIZE),
+        )
+        for i in range(POOL_SIZE)
+    ]
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:  # they start together
+            engine.wait_ready_sync(300)
+        yield EnginePool(tiny_model_dir, engines)
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+@pytest.fixture
+def engine_pool(_engine_pool) -> EnginePool:
+    """The session's pooled engines, reset for this test."""
+    _engine_pool.reset()
+    return _engine_pool
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The quick start's configuration, end to end on CPU, learns: ``train.py`` and ``train_async.py`` both take the
 mean rollout reward from below 0.3 to above 0.8, with engine and trainer log-probs agreeing
-throughout, and leave no process behind."""
+throughout, and leave no process behind. Both roll out on the pooled engines (``--rollout-external-engine-addrs``):
+each run pushes its weights into them before rollout 0, and they keep serving its last weights after it exits."""
 
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import new_marker, read_metrics, run_env, wait_until_no_marked_processes
+import torch
+from conftest import (
+    PROBE_TOKENS,
+    new_marker,
+    read_metrics,
+    run_env,
+    wait_until_no_marked_processes,
+    without_vllm_flags,
+)
+from transformers import AutoModelForCausalLM
+
+from vime.backends.vllm_utils.control_client import EngineGroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
@@ -28,10 +40,13 @@ def _quickstart_argv(model_dir: Path, run_dir: Path, num_rollout: int) -> list[s
 
 
 @pytest.mark.parametrize("script", ["train.py", "train_async.py"])
-def test_quickstart_config_reward_rises_above_0_8(script, tiny_model_dir, tmp_path):
+def test_quickstart_config_reward_rises_above_0_8(script, tiny_model_dir, tmp_path, engine_pool):
     marker = new_marker(f"learns-{script}")
     num_rollout = NUM_ROLLOUT[script]
-    argv = [sys.executable, str(REPO / script), *_quickstart_argv(tiny_model_dir, tmp_path, num_rollout)]
+    argv = [
+        sys.executable, str(REPO / script), *without_vllm_flags(_quickstart_argv(tiny_model_dir, tmp_path, num_rollout)),
+        "--rollout-external-engine-addrs", *engine_pool.addrs(), "--save-hf", str(tmp_path / "hf_last"),
+    ]  # fmt: skip
     result = subprocess.run(
         argv, capture_output=True, text=True, timeout=840, cwd=tmp_path, env=run_env(marker)
     )
@@ -58,3 +73,13 @@ def test_quickstart_config_reward_rises_above_0_8(script, tiny_model_dir, tmp_pa
         num_rollout - 1
     )
     assert wait_until_no_marked_processes(marker, timeout=30) == []
+    # the run left the external engines running, serving its last weights (the --save-hf export of the last step)
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_last", dtype=torch.float32)
+    with torch.no_grad():
+        logits = final(torch.tensor([PROBE_TOKENS])).logits[0, :-1].log_softmax(-1)
+    expected = logits.gather(-1, torch.tensor(PROBE_TOKENS[1:])[:, None])[:, 0].tolist()
+    with EngineGroup(engine_pool.urls) as engines:
+        served = engines.run(lambda engine: engine.prompt_log_probs(str(tiny_model_dir), PROBE_TOKENS))
+    for log_probs in served:
+        assert max(abs(a - b) for a, b in zip(log_probs, expected, strict=True)) < 1e-5, (log_probs, expected)
+    assert served[0] != engine_pool.base_log_probs[0]  # they moved from the checkpoint's weights

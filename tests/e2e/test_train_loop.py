@@ -1,5 +1,7 @@
-"""``train.py`` and ``train_async.py`` end to end on CPU: Ray, a real engine + router, the FSDP2 trainer, weight sync
-after each step (checked by the run itself with ``--check-weight-update-equal`` and ``--ci-test``)."""
+"""``train.py`` and ``train_async.py`` end to end on CPU: Ray, real engines + router, the FSDP2 trainer, weight sync
+after each step (checked by the run itself with ``--check-weight-update-equal`` and ``--ci-test``). The runs attach
+to the pooled engines (``--rollout-external-engine-addrs``): both of them for the ``distributed`` transport, one
+for ``disk``."""
 
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("transport", list(CASES))
-def test_engines_track_the_trainer_after_every_weight_sync(transport, tiny_model_dir, tmp_path):
+def test_engines_track_the_trainer_after_every_weight_sync(transport, tiny_model_dir, tmp_path, engine_pool):
     script, flags = CASES[transport]
+    engines = engine_pool.addrs(2 if transport == "distributed" else 1)
     weight_dir = tmp_path / "weights"
     argv = [
         sys.executable, str(REPO / script), "--train-backend", "fsdp",
@@ -39,7 +42,7 @@ def test_engines_track_the_trainer_after_every_weight_sync(transport, tiny_model
         "--update-weight-transport", transport,
         "--log-dir", str(tmp_path / "logs"), "--check-weight-update-equal", "--ci-test",
         "--ci-train-rollout-logprob-abs-diff-threshold", "1e-3", *[str(weight_dir) if f == "WEIGHTS" else f for f in flags],
-        "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "64",
+        "--rollout-external-engine-addrs", *engines,
     ]  # fmt: skip
     env = {
         **os.environ,

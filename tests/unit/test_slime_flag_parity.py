@@ -84,7 +84,7 @@ SLIME_FLAGS: dict[str, tuple[str, list[str]]] = {
     "--keep-old-actor": ("accepted", []),
     "--rollout-data-postprocess-path": ("accepted", ["x"]),
     "--rollout-data-transport": ("accepted", ["object-store"]),
-    "--rollout-external-engine-addrs": ("refused", []),
+    "--rollout-external-engine-addrs": ("accepted", ["127.0.0.1:8000", "127.0.0.1:8001"]),
     "--use-fault-tolerance": ("accepted", []),
     "--rollout-health-check-interval": ("accepted", ["0.5"]),
     "--rollout-health-check-timeout": ("accepted", ["0.5"]),

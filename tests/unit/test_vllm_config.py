@@ -18,7 +18,11 @@ from vime.utils.vllm_config import (
 
 def cli(**overrides) -> argparse.Namespace:
     values = dict(
-        hf_checkpoint="/ckpt/actor", rollout_num_gpus=4, rollout_num_gpus_per_engine=1, num_gpus_per_node=8
+        hf_checkpoint="/ckpt/actor",
+        rollout_num_gpus=4,
+        rollout_num_gpus_per_engine=1,
+        num_gpus_per_node=8,
+        rollout_external_engine_addrs=None,
     )
     return argparse.Namespace(**(values | overrides))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from vime.backends.vllm_utils.external_engines import external_engines
 from vime.ray.engine_actor import NodeEngines
 from vime.ray.placement_group import Bundles, BundleSlot, engine_placements
 from vime.ray.rollout_batch import RolloutBatch, make_batch
@@ -42,6 +43,11 @@ class RayRolloutManager(RolloutManager):
         ]
         if not engines:  # --debug-train-only / --load-debug-rollout-data start none
             return []
+        if self.args.rollout_external_engine_addrs:
+            return [
+                {"url": engine.url, "model": spec.model, "external": True}
+                for engine, spec in zip(engines, self.specs, strict=True)
+            ]
         places = ray.get([engine.actor.where.remote() for engine in engines])
         return [place | {"model": spec.model} for place, spec in zip(places, self.specs, strict=True)]
 
@@ -67,13 +73,24 @@ def create_rollout_manager(
         if bundles.indices
         else None
     )
-    sizes = [] if args.debug_train_only else [spec.num_gpus for spec in engine_specs(serving_config(args))]
-    launcher = NodeEngines(engine_placements(args, bundles, slots, sizes, keep_order=args.colocate))
+    if args.rollout_external_engine_addrs:
+        launcher = external_engines(args)
+    else:
+        sizes = (
+            [] if args.debug_train_only else [spec.num_gpus for spec in engine_specs(serving_config(args))]
+        )
+        launcher = NodeEngines(engine_placements(args, bundles, slots, sizes, keep_order=args.colocate))
     manager = RolloutManagerActor.options(scheduling_strategy=strategy).remote(
         args, log_dir, engine_extra_args, launcher
     )
     ray.get(manager.start.remote())
     for slot, where in enumerate(ray.get(manager.describe_engines.remote())):
+        if where.get("external"):
+            print(
+                f"[vime] engine {slot} ({where['model']}): {where['url']}, external (left running at exit)",
+                flush=True,
+            )
+            continue
         print(
             f"[vime] engine {slot} ({where['model']}): {where['url']} on node {where['node_id']} ({where['node_ip']}), "
             f"server pid {where['server_pid']} (owned by actor pid {where['actor_pid']})",

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine_fleet import EngineHandle, EngineLauncher, LocalEngines
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
+from vime.backends.vllm_utils.external_engines import external_engines
 from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
 from vime.backends.vllm_utils.router import RouterProcess, connect_router, register_workers
 from vime.rollout import fully_async_rollout
@@ -45,11 +46,15 @@ class RolloutManager:
         engine_extra_args: list[str] | None = None,
         launcher: EngineLauncher | None = None,
     ):
-        """``launcher`` makes each engine (default: subprocesses of this process, :class:`LocalEngines`)."""
+        """``launcher`` makes each engine (default: subprocesses of this process, :class:`LocalEngines`, or the
+        running engines of ``--rollout-external-engine-addrs``)."""
         self.args = args
         self.config = serving_config(args)
         self.specs = engine_specs(self.config)  # slot order: the policy's engines first
-        self.launcher = launcher or LocalEngines(cpu_engines=len(self.specs))
+        if launcher is None:
+            external = args.rollout_external_engine_addrs
+            launcher = external_engines(args) if external else LocalEngines(cpu_engines=len(self.specs))
+        self.launcher = launcher
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engine_extra_args = list(engine_extra_args or [])

@@ -13,7 +13,7 @@ import yaml
 
 from vime.utils.eval_config import load_eval_configs
 from vime.utils.rm_types import check_rm_type
-from vime.utils.vllm_config import check_vllm_config
+from vime.utils.vllm_config import check_external_engines, check_vllm_config
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,9 @@ def finalize_args(args: argparse.Namespace) -> None:
         )
     if args.rollout_num_gpus is None:
         args.rollout_num_gpus = (
-            args.actor_num_nodes * args.actor_num_gpus_per_node
+            0
+            if args.rollout_external_engine_addrs
+            else args.actor_num_nodes * args.actor_num_gpus_per_node
             if args.colocate
             else args.rollout_num_gpus_per_engine
         )
@@ -264,6 +266,7 @@ def _check_cluster(args: argparse.Namespace) -> None:
             f"(--num-gpus-per-node {args.num_gpus_per_node}): an engine runs on one node; lower it (more engines) "
             "or set --num-gpus-per-node if your nodes have more GPUs"
         )
+    check_external_engines(args)
     if args.vllm_config:
         check_vllm_config(args)
     elif args.rollout_num_gpus % args.rollout_num_gpus_per_engine:

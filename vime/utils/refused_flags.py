@@ -29,9 +29,6 @@ REFUSED_SLIME_FLAGS: dict[str, str] = {
     "--update-weight-delta-checksum": _DELTA_SYNC,
     "--update-weight-local-checkpoint-dir": "is the engine-local checkpoint that SGLang's /pull_weights patch keeps "
     "in sync; vime's engines read --update-weight-dir (disk) or receive a broadcast: drop it",
-    "--rollout-external-engine-addrs": "connects slime to SGLang engines started outside it; vime starts its engines "
-    "itself (with its weight-sync worker extension and control secret, on each bundle's node); list extra models in "
-    "--vllm-config, or use --vllm-router-ip/--vllm-router-port for an external router",
     "--multimodal-keys": "vime's rollout and trainers are text-only (no image or video inputs yet): drop it",
     "--megatron-deepgemm-forward-layers": _DEEPGEMM,
     "--megatron-deepgemm-forward-modules": _DEEPGEMM,

@@ -27,7 +27,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
+from vime.utils.passthrough_args import passthrough_cli_args
 from vime.utils.upstream_parsers import VIME_OWNED_VLLM_FLAGS, build_vllm_serve_parser
 
 ROLES = ("policy", "reference", "teacher", "reward")
@@ -121,9 +123,69 @@ def engine_specs(config: VLLMConfig) -> list[EngineSpec]:
 
 
 def default_config(args: argparse.Namespace) -> VLLMConfig:
-    """What a run without ``--vllm-config`` serves: the policy on ``--rollout-num-gpus`` GPUs."""
-    group = ServerGroup("regular", args.rollout_num_gpus, args.rollout_num_gpus_per_engine)
+    """What a run without ``--vllm-config`` serves: the policy on ``--rollout-num-gpus`` GPUs, or on the engines of
+    ``--rollout-external-engine-addrs``."""
+    per_engine = args.rollout_num_gpus_per_engine
+    external = args.rollout_external_engine_addrs
+    group = ServerGroup(
+        "regular", len(external) * per_engine if external else args.rollout_num_gpus, per_engine
+    )
     return VLLMConfig([ModelDeployment("policy", "policy", args.hf_checkpoint, True, [group])])
+
+
+# What each flag needs of engines vime starts, which --rollout-external-engine-addrs engines are not.
+_NEEDS_OWN_ENGINES = {
+    "colocate": "--colocate puts engines on the trainer's GPUs and sleeps them while it trains",
+    "offload_rollout": "--offload-rollout sleeps the engines (vLLM sleep mode is a start-up flag)",
+    "use_fault_tolerance": "--use-fault-tolerance restarts dead engines, which only their owner can do (unlike "
+    "slime, which warns and runs without it, vime refuses rather than drop the flag)",
+    "vllm_config": "--vllm-config describes engines vime starts (slime: mutually exclusive with external engines)",
+    "use_rollout_routing_replay": "--use-rollout-routing-replay needs engines started with the flags that return "
+    "routed experts",
+    "debug_train_only": "--debug-train-only runs no rollout",
+}
+
+
+def external_engine_url(addr: str) -> str:
+    """``host:port`` or ``http://host:port`` -> ``http://host:port`` (ValueError naming the address)."""
+    url = (addr if "://" in addr else f"http://{addr}").rstrip("/")
+    parsed = urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "http" or not parsed.hostname or port is None or parsed.path:
+        raise ValueError(
+            f"--rollout-external-engine-addrs: {addr!r} is not an engine address; use host:port or "
+            "http://host:port (IPv6 in brackets)"
+        )
+    return url
+
+
+def check_external_engines(args: argparse.Namespace) -> None:
+    """``--rollout-external-engine-addrs``: what it excludes, and no engine of vime's own (``--rollout-num-gpus``
+    0, the default with it)."""
+    if not args.rollout_external_engine_addrs:
+        return
+    for addr in args.rollout_external_engine_addrs:
+        external_engine_url(addr)
+    for dest, reason in _NEEDS_OWN_ENGINES.items():
+        if getattr(args, dest):
+            raise ValueError(
+                f"--rollout-external-engine-addrs with {reason}: it needs engines vime starts itself; drop one of "
+                "the two"
+            )
+    if args.rollout_num_gpus:
+        raise ValueError(
+            f"--rollout-external-engine-addrs with --rollout-num-gpus {args.rollout_num_gpus}: the run rolls out "
+            "on the external engines only; drop --rollout-num-gpus (or pass 0)"
+        )
+    own_flags = [token for token in passthrough_cli_args(args, "vllm") if token.startswith("--")]
+    if own_flags:
+        raise ValueError(
+            f"--rollout-external-engine-addrs with {own_flags}: --vllm-* flags configure engines vime starts; the "
+            "external engines keep the flags they were started with. Drop them"
+        )
 
 
 def check_vllm_config(args: argparse.Namespace) -> None:

@@ -91,6 +91,29 @@ ROLLOUT = [
     ),
     ("--vllm-router-port", dict(type=int, default=None, help="Port of the existing vllm-router.")),
     (
+        "--rollout-external-engine-addrs",
+        dict(
+            nargs="+",
+            default=None,
+            metavar="HOST:PORT",
+            help="Roll out on vLLM engines that are already running (slime's flag): vime checks each one (dev-mode "
+            "routes, vime's worker extension, --logprobs-mode processed_logprobs, this run's VIME_CONTROL_SECRET, "
+            "--rollout-num-gpus-per-engine workers), puts them behind its router, pushes its weights before "
+            "rollout 0 and leaves them running at exit. No engine of vime's own (--rollout-num-gpus 0); not with "
+            "--colocate, --offload-rollout, --use-fault-tolerance or --vllm-config, which need engines vime starts.",
+        ),
+    ),
+    (
+        "--rollout-request-timeout",
+        dict(
+            type=float,
+            default=1800.0,
+            help="Seconds a generation request may wait for its answer; one still unanswered (a hung engine) is "
+            "aborted and sent straight to another engine that answers /health (the router's cache-aware policy would "
+            "send the same prompt back to the hung one), with or without --use-fault-tolerance.",
+        ),
+    ),
+    (
         "--engine-start-timeout",
         dict(type=float, default=600.0, help="Seconds to wait for an engine to become ready."),
     ),
