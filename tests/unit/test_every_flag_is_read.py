@@ -1,44 +1,92 @@
-"""A flag that is parsed but never read is a defect (issue 15): the user asks for something and nothing happens.
+"""A flag that is parsed but never read is a defect (issues 15 and 22): the user asks for something and nothing happens.
 
-Walks vime's own parser (not the --vllm-*/--router-* pass-through, which reaches the servers' own parsers, not
-the refused slime flags, and not the Megatron-LM-named flags of ``megatron_args``' copy, which Megatron-LM defines)
-and checks that the source of ``vime/``, ``train.py`` and ``train_async.py`` reads each flag's ``dest`` as
-``args.<dest>`` (``self.args.<dest>``, ``eval_args.<dest>`` ...) or ``getattr(args, "<dest>"``.
+Walks the syntax tree of ``vime/``, ``train.py`` and ``train_async.py``, leaving out the modules that define and
+validate flags, for loads of ``<x>args.<dest>`` (``args``, ``self.args``, ``eval_args`` ...) and
+``getattr(<x>args, "<dest>"...)``, and checks that every flag of vime's parser is read there: vime's own flags and
+the Megatron-named ones (not the ``--vllm-*``/``--router-*`` pass-through, which reaches the servers' own parsers,
+nor the refused slime flags). A ``getattr`` whose name is computed must be listed in ``COMPUTED_READS``; a flag
+that is rightly not read after validation must be listed, with the reason, in ``NOT_READ_AFTER_VALIDATION``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from pathlib import Path
 
-from vime.utils import megatron_args
 from vime.utils.arguments import build_parser
+from vime.utils.backend_flags import MEGATRON_UNSUPPORTED
 from vime.utils.passthrough_args import _OwnedByVimeAction
 from vime.utils.refused_flags import RefusedFlagAction
 
 ROOT = Path(__file__).resolve().parents[2]
-# Read indirectly, where the scan above cannot see the name: keep this short and say where.
-READ_INDIRECTLY = {
-    # vllm_generate.sampling_params_from_args and arg_validation read rollout_/eval_ sampling fields as
-    # getattr(args, f"{prefix}_top_k") / f"rollout_{name}"
-    "rollout_top_k",
+# Where flags are defined, parsed and validated: a mention there is not a use.
+ARGUMENT_MODULES = {
+    "vime/utils/arguments.py",
+    "vime/utils/arg_validation.py",
+    "vime/utils/backend_flags.py",
+    "vime/utils/megatron_args.py",
+    "vime/utils/refused_flags.py",
+    "vime/utils/passthrough_args.py",
+    "vime/utils/upstream_parsers.py",
 }
-MEGATRON_LM_NAMED = {
-    flag
-    for section in (
-        megatron_args._MODEL,
-        megatron_args._MOE,
-        megatron_args._PARALLEL,
-        megatron_args._OPTIM,
-        megatron_args._PRECISION_CKPT_LOG,
-    )
-    for flag, _ in section
+ARGUMENT_PACKAGES = ("vime/utils/flags/",)
+ARGS_NAME = re.compile(r"(?:\w+_)?args$")
+
+# getattr(args, <computed name>) in the walked code -> the flags it reads. (file, the name's source) -> dests.
+COMPUTED_READS: dict[tuple[str, str], set[str]] = {
+    # sampling_params_from_args: prefix is "rollout" or "eval" (eval_* default to rollout_* in validation)
+    ("vime/rollout/vllm_generate.py", "f'{prefix}_temperature'"): {"rollout_temperature", "eval_temperature"},
+    ("vime/rollout/vllm_generate.py", "f'{prefix}_top_p'"): {"rollout_top_p", "eval_top_p"},
+    ("vime/rollout/vllm_generate.py", "f'{prefix}_top_k'"): {"rollout_top_k", "eval_top_k"},
+    ("vime/rollout/vllm_generate.py", "f'{prefix}_max_response_len'"): {
+        "rollout_max_response_len",
+        "eval_max_response_len",
+    },
+    # check_hf_config compares every Megatron model-shape flag with the checkpoint's config.json
+    ("vime/backends/megatron_utils/hf_config.py", "dest"): {"vocab_size"},
+    # check_external_engines (validation) loops over flags refused with external engines: credits none, they are
+    # read elsewhere
+    ("vime/utils/vllm_config.py", "dest"): set(),
+}
+
+# Flags that vime's code after validation rightly never reads, each with the reason. The Megatron-named flags among
+# them are those whose every accepted value is what vime does anyway: Megatron-Core gets that value (or, with
+# vime's own attention and layers, has no use for it), and validation refuses the others with the reason.
+NOT_READ_AFTER_VALIDATION = {
+    "help_vllm": "the parser prints the --vllm-* flags and exits (arguments.parse_args)",
+    "help_router": "the parser prints the --router-* flags and exits (arguments.parse_args)",
+    "custom_config_path": "its YAML is set on args before validation (arg_validation._apply_custom_config)",
+    "offload": "slime's shorthand: validation sets --offload-train and --offload-rollout",
+    "gradient_checkpointing": "validation sets --recompute-granularity full --recompute-method uniform "
+    "--recompute-num-layers 1, which both backends read",
+    "model_name": "checked against config.json's model_type when the run starts (arg_validation.check_run_paths); "
+    "vime maps weights by model_type, slime picks its converter by this name",
+    "update_weight_mode": "full only (what vime's engines load); delta is refused",
+    "rollout_data_transport": "object-store only (Ray object references); nixl is refused",
+    "profile_target": "train_overall only (vime records memory over the whole training); the rest are refused",
+    "ckpt_format": "torch_dist only, which Megatron-Core's dist_checkpointing writes; torch is refused",
+    "mtp_num_layers": "0 only (no multi-token-prediction layers are trained); more is refused",
+    "attention_dropout": "0 only: Megatron-Core gets attention_dropout=0.0 (a --megatron-config-path YAML cannot "
+    "turn it on); the engines run no dropout",
+    "hidden_dropout": "0 only: Megatron-Core gets hidden_dropout=0.0, as attention_dropout",
+    "transformer_impl": "local only: Megatron-Core gets transformer_impl='local' (no TransformerEngine); "
+    "transformer_engine is refused",
+    "attention_backend": "flash/local/auto are what vime's packed attention does (an info line says so); the "
+    "TransformerEngine values fused/unfused are refused. Megatron-Core keeps its default: vime replaces its core "
+    "attention",
+    "attention_softmax_in_fp32": "always on: Megatron-Core gets attention_softmax_in_fp32=True, and vime's packed "
+    "attention (FlashAttention-2 / SDPA) computes its softmax in fp32",
+    "allgather_cp": "always on: vime's context parallelism all-gathers keys and values (slime's --allgather-cp); "
+    "refused with --train-backend fsdp",
+    # refused whenever set, by backend_flags.MEGATRON_UNSUPPORTED
+    **{dest: f"refused when set: vime has no {why}" for dest, why in MEGATRON_UNSUPPORTED.items()},
 }
 
 
-def vime_flags() -> dict[str, str]:
-    """dest -> first option string of every flag vime itself defines and accepts."""
+def parser_flags() -> dict[str, str]:
+    """dest -> first option string of every flag vime's parser accepts, Megatron-named ones included."""
     parser = build_parser()
     passthrough = {id(action) for action in (*parser.vllm_actions, *parser.router_actions)}
     return {
@@ -47,41 +95,118 @@ def vime_flags() -> dict[str, str]:
         if action.option_strings
         and id(action) not in passthrough
         and not isinstance(action, argparse._HelpAction | RefusedFlagAction | _OwnedByVimeAction)
-        and action.option_strings[0] not in MEGATRON_LM_NAMED
     }
 
 
-def source() -> str:
+def is_args(node: ast.AST) -> bool:
+    """``args``, ``eval_args``, ``self.args``, ``self._args`` ..."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return bool(ARGS_NAME.fullmatch(name.lstrip("_")))
+
+
+def reads_in(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """(dests read by attribute or constant getattr, sources of computed getattr names) in ``tree``."""
+    names: set[str] = set()
+    computed: set[str] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and is_args(node.value)
+            and not isinstance(node.ctx, ast.Store | ast.Del)
+        ):
+            names.add(node.attr)
+        elif (
+            isinstance(node, ast.AugAssign)
+            and isinstance(node.target, ast.Attribute)
+            and is_args(node.target.value)
+        ):
+            names.add(node.target.attr)  # args.x += 1 reads x
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and len(node.args) >= 2
+            and is_args(node.args[0])
+        ):
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                names.add(name.value)
+            else:
+                computed.add(ast.unparse(name))
+    return names, computed
+
+
+def walked_files() -> list[Path]:
     files = [*(ROOT / "vime").rglob("*.py"), ROOT / "train.py", ROOT / "train_async.py"]
-    return "\n".join(path.read_text(encoding="utf-8") for path in files)
+    return [
+        path
+        for path in files
+        if (rel := path.relative_to(ROOT).as_posix()) not in ARGUMENT_MODULES
+        and not rel.startswith(ARGUMENT_PACKAGES)
+    ]
 
 
-def is_read(dest: str, text: str) -> bool:
-    """``args.<dest>`` not being assigned, or ``getattr(args, "<dest>"``."""
-    attribute = rf"args\.{dest}\b(?!\s*=[^=])"
-    return bool(re.search(attribute, text) or re.search(rf"getattr\(\s*[\w.]*args,\s*\"{dest}\"", text))
+def scan() -> tuple[set[str], set[tuple[str, str]]]:
+    """(every dest read in the walked code, every (file, computed getattr name) found there)."""
+    read: set[str] = set()
+    computed: set[tuple[str, str]] = set()
+    for path in walked_files():
+        names, dynamic = reads_in(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+        read |= names
+        computed |= {(path.relative_to(ROOT).as_posix(), source) for source in dynamic}
+    return read, computed
 
 
-def test_the_scan_finds_reads_and_misses_writes():
-    text = 'x = self.args.alpha\ny = getattr(args, "beta", None)\nargs.gamma_two = 1\nother.delta\n'
-    assert is_read("alpha", text) and is_read("beta", text)
-    assert not is_read("gamma_two", text)  # only written
-    assert not is_read("gamma", text) and not is_read("delta", text)
-    assert is_read("gamma_two", text + "if args.gamma_two == 1: pass\n")
-
-
-def test_every_vime_flag_is_read_somewhere():
-    flags, text = vime_flags(), source()
-    assert len(flags) > 150, "the walk found too few flags"
-    unread = sorted(
-        flag for dest, flag in flags.items() if dest not in READ_INDIRECTLY and not is_read(dest, text)
+def test_the_walk_finds_reads_and_misses_writes_and_mentions():
+    code = (
+        "x = self.args.alpha\ny = getattr(eval_args, 'beta', None)\nargs.gamma = 1\nother.delta\n"
+        "z = getattr(args, f'{p}_top_p')\n# args.epsilon in a comment\ns = 'args.zeta in a string'\n"
+        "args.eta += 1\ndel args.theta\n"
     )
-    assert not unread, f"flags parsed but never read: {unread}"
+    names, computed = reads_in(ast.parse(code))
+    assert names == {"alpha", "beta", "eta"}
+    assert computed == {"f'{p}_top_p'"}
 
 
-def test_the_indirect_list_is_still_needed():
-    flags, text = vime_flags(), source()
-    assert READ_INDIRECTLY <= set(flags), "an allow-listed flag no longer exists"
-    assert not [dest for dest in READ_INDIRECTLY if is_read(dest, text)], (
-        "now read directly: drop it from the list"
+def test_every_flag_is_read_after_validation():
+    flags = parser_flags()
+    read, _ = scan()
+    assert len(flags) > 250 and "num_layers" in flags, "the parser walk found too few flags"
+    computed = set().union(*COMPUTED_READS.values())
+    unread = sorted(
+        flag
+        for dest, flag in flags.items()
+        if dest not in read | computed and dest not in NOT_READ_AFTER_VALIDATION
+    )
+    assert not unread, (
+        f"flags parsed but never read: {unread}; read them, refuse them in validation with the reason, or list them "
+        "in NOT_READ_AFTER_VALIDATION with the reason"
+    )
+
+
+def test_every_computed_getattr_is_listed_and_every_listing_is_current():
+    flags = parser_flags()
+    _, found = scan()
+    assert found == set(COMPUTED_READS), (
+        f"computed getattr(args, ...) not listed: {sorted(found - set(COMPUTED_READS))}; "
+        f"listed but gone: {sorted(set(COMPUTED_READS) - found)}"
+    )
+    for (path, source), dests in COMPUTED_READS.items():
+        assert dests <= set(flags), f"{path}: {source} lists no such flag: {sorted(dests - set(flags))}"
+        if source.startswith("f'"):  # each listed dest must fit the f-string's pattern
+            pattern = re.sub(r"\\\{[^}]*\\\}", r"\\w+", re.escape(source[2:-1]))
+            assert all(re.fullmatch(pattern, dest) for dest in dests), (path, source, dests)
+
+
+def test_the_not_read_list_is_still_needed_and_each_entry_is_validated():
+    flags = parser_flags()
+    read, _ = scan()
+    assert set(NOT_READ_AFTER_VALIDATION) <= set(flags), "a listed flag no longer exists"
+    assert not set(NOT_READ_AFTER_VALIDATION) & read, "now read after validation: drop it from the list"
+    validation = set()
+    for module in ARGUMENT_MODULES:
+        validation |= reads_in(ast.parse((ROOT / module).read_text(encoding="utf-8")))[0]
+    checked = validation | set(MEGATRON_UNSUPPORTED)  # read there as getattr(args, dest) over that dict
+    assert not sorted(set(NOT_READ_AFTER_VALIDATION) - checked - {"attention_softmax_in_fp32"}), (
+        "listed but not even checked at parse time"
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from vime.utils.backend_flags import check_backend_flags
 from vime.utils.eval_config import load_eval_configs
 from vime.utils.rm_types import check_rm_type
 from vime.utils.vllm_config import check_external_engines, check_vllm_config
@@ -450,64 +451,8 @@ def _check_slime_flags(args: argparse.Namespace) -> None:
         )
 
 
-_MEGATRON_PARALLELISM = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-)
-
-
-# Megatron-LM flags (in MODEL_ARGS scripts) that vime's Megatron backend does not implement: refused when set.
-_MEGATRON_UNSUPPORTED = {
-    "decoder_first_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
-    "decoder_last_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
-    "optimizer_cpu_offload": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
-    "overlap_cpu_optimizer_d2h_h2d": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
-    "use_precision_aware_optimizer": "the precision-aware optimizer (it needs TransformerEngine)",
-    "moe_permute_fusion": "fused token permutation (it needs TransformerEngine)",
-}
-
-
 def _check_backend(args: argparse.Namespace) -> None:
-    if used := [dest for dest in _MEGATRON_UNSUPPORTED if getattr(args, dest, None) not in (None, False)]:
-        raise ValueError(
-            "; ".join(
-                f"--{d.replace('_', '-')}: vime's Megatron backend has no {_MEGATRON_UNSUPPORTED[d]}"
-                for d in used
-            )
-            + "; drop the flag"
-        )
-    if args.ckpt_format != "torch_dist":
-        raise ValueError(
-            f"--ckpt-format {args.ckpt_format}: vime writes Megatron checkpoints as torch_dist only"
-        )
-    if dropout := [
-        f"--{n.replace('_', '-')} {getattr(args, n)}"
-        for n in ("attention_dropout", "hidden_dropout")
-        if getattr(args, n)
-    ]:
-        raise ValueError(
-            f"{', '.join(dropout)}: vime trains without dropout (the engines run none, so dropout would make the "
-            "trainer's log-probs differ from the rollout's and bias the importance ratios); pass 0 or drop the flag"
-        )
-    if args.mtp_num_layers:
-        raise ValueError(
-            f"--mtp-num-layers {args.mtp_num_layers}: vime does not train multi-token-prediction layers (a "
-            "checkpoint's MTP weights are left out of training and of the weight sync); drop the flag"
-        )
-    if args.train_backend == "fsdp":
-        used = [
-            f"--{n.replace('_', '-')} {getattr(args, n)}"
-            for n in _MEGATRON_PARALLELISM
-            if getattr(args, n) > 1
-        ]
-        used += ["--sequence-parallel"] * bool(args.sequence_parallel)
-        if used:
-            raise ValueError(
-                f"{', '.join(used)}: the fsdp backend shards over data-parallel ranks only; these are Megatron "
-                "flags (use --train-backend megatron)"
-            )
+    check_backend_flags(args)
     if args.train_backend != "megatron" or args.debug_rollout_only:
         return
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:

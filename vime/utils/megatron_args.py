@@ -64,14 +64,21 @@ _MODEL = [
     ("--hidden-dropout", dict(type=float, default=0.0, help=f"Hidden dropout: {_NO_DROPOUT}.")),
     (
         "--attention-backend",
-        dict(default="auto", help="Attention backend (flash, fused, unfused, local, auto)."),
+        dict(
+            default="auto",
+            choices=["flash", "fused", "unfused", "local", "auto"],
+            help="Megatron-Core's attention backend. vime runs its own packed attention (FlashAttention-2 varlen on "
+            "CUDA in bf16, SDPA otherwise) on both backends: flash, local and auto are accepted (one info line); "
+            "fused and unfused pick TransformerEngine kernels and are refused.",
+        ),
     ),
     (
         "--transformer-impl",
         dict(
-            default="transformer_engine",
+            default="local",
             choices=["local", "transformer_engine"],
-            help="Layer implementation.",
+            help="Layer implementation: local (Megatron-Core's own layers; vime has no TransformerEngine, so "
+            "transformer_engine, Megatron-LM's default, is refused).",
         ),
     ),
     (
@@ -120,7 +127,12 @@ _MOE = [
     ),
     (
         "--moe-token-drop-policy",
-        dict(default="probs", choices=["probs", "position"], help="Token drop policy."),
+        dict(
+            default="probs",
+            choices=["probs", "position"],
+            help="Which tokens Megatron-Core drops past an expert's capacity (passed to its config); vime sets no "
+            "capacity factor, so no token is dropped.",
+        ),
     ),
     ("--moe-permute-fusion", dict(action="store_true", help="Fused token permutation.")),
 ]
@@ -137,13 +149,35 @@ _PARALLEL = [
         dict(type=int, default=None, help="Layers on the first PP stage."),
     ),
     ("--decoder-last-pipeline-num-layers", dict(type=int, default=None, help="Layers on the last PP stage.")),
-    ("--use-distributed-optimizer", dict(action="store_true", help="Shard optimizer state over DP.")),
+    (
+        "--use-distributed-optimizer",
+        dict(
+            action="store_true",
+            help="Shard optimizer state over DP (Megatron); the fsdp backend always does (one info line).",
+        ),
+    ),
     (
         "--recompute-granularity",
-        dict(default=None, choices=["full", "selective"], help="Activation recompute."),
+        dict(
+            default=None,
+            choices=["full", "selective"],
+            help="Activation recompute: full (whole layers; with --recompute-method and --recompute-num-layers) or "
+            "selective (core attention; Megatron backend only). fsdp: full checkpoints Hugging Face decoder layers.",
+        ),
     ),
-    ("--recompute-method", dict(default=None, choices=["uniform", "block"], help="Recompute method.")),
-    ("--recompute-num-layers", dict(type=int, default=None, help="Layers to recompute.")),
+    (
+        "--recompute-method",
+        dict(
+            default=None,
+            choices=["uniform", "block"],
+            help="Which layers full recompute covers: uniform (groups of --recompute-num-layers; fsdp: 1 only, "
+            "every layer) or block (the first --recompute-num-layers layers of each pipeline stage).",
+        ),
+    ),
+    (
+        "--recompute-num-layers",
+        dict(type=int, default=None, help="Layers per recompute group, or per block."),
+    ),
     (
         "--distributed-backend",
         dict(
@@ -194,8 +228,20 @@ _OPTIM = [
 _PRECISION_CKPT_LOG = [
     ("--bf16", dict(action="store_true", help="Train in bf16 (default fp32).")),
     ("--fp16", dict(action="store_true", help="Train in fp16.")),
-    ("--accumulate-allreduce-grads-in-fp32", dict(action="store_true", help="fp32 grad accumulation.")),
-    ("--attention-softmax-in-fp32", dict(action="store_true", help="fp32 softmax in attention.")),
+    (
+        "--accumulate-allreduce-grads-in-fp32",
+        dict(
+            action="store_true",
+            help="Accumulate and reduce gradients in fp32 (Megatron DDP's grad_reduce_in_fp32); always on with --bf16, "
+            "as in Megatron-LM. The fsdp backend always reduces in fp32.",
+        ),
+    ),
+    (
+        "--attention-softmax-in-fp32",
+        dict(
+            action="store_true", help="fp32 softmax in attention: what vime's packed attention always does."
+        ),
+    ),
     ("--save", dict(default=None, help="Checkpoint directory to save to.")),
     ("--load", dict(default=None, help="Checkpoint directory to resume from.")),
     ("--save-interval", dict(type=int, default=None, help="Save every N rollouts.")),
@@ -293,7 +339,8 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> str:
         from megatron.training.arguments import add_megatron_arguments as add_upstream
 
         add_upstream(parser)
-        parser.set_defaults(attention_dropout=0.0, hidden_dropout=0.0)  # vime trains without dropout
+        # vime trains without dropout and without TransformerEngine
+        parser.set_defaults(attention_dropout=0.0, hidden_dropout=0.0, transformer_impl="local")
         _add_vime_megatron_flags(parser)
         return "megatron-lm"
     sections = [

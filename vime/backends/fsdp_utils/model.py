@@ -73,11 +73,30 @@ def load_hf_model(path: str, role: str) -> nn.Module:
     return model
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Module:
-    """Apply FSDP2: one unit per decoder layer plus the root; optional activation checkpointing."""
-    if args.gradient_checkpointing:
+def checkpointed_layers(args: argparse.Namespace, num_layers: int) -> int:
+    """How many leading decoder layers keep only their input for backward, from Megatron's recompute flags:
+    ``--recompute-granularity full`` with ``--recompute-method uniform --recompute-num-layers 1`` is every layer,
+    with ``block N`` the first N (``--gradient-checkpointing`` is the former; validation refuses the rest)."""
+    if args.recompute_granularity != "full":
+        return 0
+    if args.recompute_method == "block":
+        return min(args.recompute_num_layers, num_layers)
+    return num_layers
+
+
+def enable_activation_checkpointing(
+    model: nn.Module, layers: list[nn.Module], args: argparse.Namespace
+) -> None:
+    """Hugging Face gradient checkpointing on the first :func:`checkpointed_layers` of ``layers``."""
+    if count := checkpointed_layers(args, len(layers)):
         # Non-reentrant checkpointing is the variant that composes with FSDP2's hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in layers[count:]:
+            layer.gradient_checkpointing = False
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Module:
+    """Apply FSDP2: one unit per decoder layer plus the root; activation checkpointing from the recompute flags."""
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype(args), reduce_dtype=torch.float32)
     layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
@@ -85,6 +104,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) ->
         raise ValueError(
             f"{type(model).__name__} lists no decoder-layer classes in _no_split_modules; cannot shard it per layer"
         )
+    enable_activation_checkpointing(model, layers, args)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)

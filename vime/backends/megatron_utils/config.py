@@ -1,7 +1,9 @@
-"""``--megatron-config-path`` (YAML flag overrides, per role) and the ``--custom-megatron-*`` hook loader.
+"""Megatron-Core configs from the Megatron flags, ``--megatron-config-path`` (YAML flag overrides, per role) and the
+``--custom-megatron-*`` hook loader.
 
-Pure (no Megatron import). The YAML holds flag values by argparse dest or flag spelling; top-level keys apply
-to every role, and an ``actor:`` / ``critic:`` mapping overrides them for that role::
+Pure (no Megatron import): the configs' fields are built as keyword dicts, so they can be checked without Megatron.
+The YAML holds flag values by argparse dest or flag spelling; top-level keys apply to every role, and an
+``actor:`` / ``critic:`` mapping overrides them for that role::
 
     lr: 1.0e-6
     recompute-granularity: full
@@ -12,13 +14,133 @@ to every role, and an ``actor:`` / ``critic:`` mapping overrides them for that r
 from __future__ import annotations
 
 import argparse
+import ast
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from vime.utils.misc import load_function
 
 ROLE_KEYS = ("actor", "critic")
+
+
+def compute_dtype(args: argparse.Namespace) -> torch.dtype:
+    """bf16 with ``--bf16``, fp16 with ``--fp16``, else fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def moe_layer_freq(value: int | list[int] | str) -> int | list[int]:
+    """``--moe-layer-freq`` as Megatron-Core takes it: an int, or a list of 0/1 per layer from its pattern syntax."""
+    if isinstance(value, (int, list)):
+        return value
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    # Megatron's pattern syntax, e.g. "([0]*3+[1]*43)": a list expression of integer literals only.
+    tree = ast.parse(text, mode="eval")
+    allowed = (ast.Expression, ast.BinOp, ast.Add, ast.Mult, ast.List, ast.Constant, ast.Load)
+    if not all(isinstance(node, allowed) for node in ast.walk(tree)):
+        raise ValueError(
+            f"--moe-layer-freq {text!r}: expected an int or a list expression like '([0]*1+[1]*3)'"
+        )
+    return list(eval(compile(tree, "--moe-layer-freq", "eval"), {"__builtins__": {}}))  # noqa: S307
+
+
+def transformer_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Megatron-Core ``TransformerConfig`` fields of the Megatron flags (dropout off: PPO ratios need a deterministic
+    policy)."""
+    if args.normalization != "RMSNorm":
+        raise ValueError("the Megatron backend supports --normalization RMSNorm models only")
+    dtype = compute_dtype(args)
+    # mcore refuses its default "allgather" dispatcher with variable sequence lengths (PP > 1) even in a
+    # dense model, where no dispatcher runs
+    moe = {"moe_token_dispatcher_type": "alltoall"}
+    if args.num_experts:
+        moe = dict(
+            num_moe_experts=args.num_experts,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+            moe_router_topk=args.moe_router_topk,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_dtype=args.moe_router_dtype or "fp32",
+            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+            moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+            moe_router_num_groups=args.moe_router_num_groups,
+            moe_router_group_topk=args.moe_router_group_topk,
+            moe_router_load_balancing_type=(
+                args.moe_router_load_balancing_type if args.moe_aux_loss_coeff else "none"
+            ),
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_layer_freq=moe_layer_freq(args.moe_layer_freq),
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            # used once an expert capacity factor drops tokens; vime sets none, so no token is dropped
+            moe_token_drop_policy=args.moe_token_drop_policy,
+            moe_grouped_gemm=False,  # Megatron's needs TransformerEngine; --moe-grouped-gemm: GroupedGemmExperts
+            moe_permute_fusion=False,
+        )
+    return dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=args.init_method_std,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        attention_softmax_in_fp32=True,
+        apply_rope_fusion=False,
+        # SwiGLU as one compiled kernel that keeps only its input for backward (Megatron's swiglu fusion)
+        bias_activation_fusion=args.swiglu and args.bias_swiglu_fusion,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        transformer_impl="local",
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        # vime's losses are already each micro-batch's share of the global loss: Megatron must not divide by
+        # the number of micro-batches, and DDP must sum (not average) gradients over data-parallel ranks.
+        calculate_per_token_loss=True,
+        # packed micro-batches differ in length; only pipeline p2p needs to know (and then MoE needs alltoall)
+        variable_seq_lengths=args.pipeline_model_parallel_size > 1,
+        **moe,
+    )
+
+
+def ddp_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Megatron-Core ``DistributedDataParallelConfig`` fields of the Megatron flags."""
+    return dict(
+        # --accumulate-allreduce-grads-in-fp32; as in Megatron-LM, always on with --bf16 (Megatron-LM's way out,
+        # --grad-reduce-in-bf16, is not a vime flag)
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
 
 
 def role_overrides(data: dict[str, Any], role: str, where: str = "--megatron-config-path") -> dict[str, Any]:

@@ -9,10 +9,8 @@ brings :class:`PackedCoreAttention` (packed, context-parallel attention on Flash
 from __future__ import annotations
 
 import argparse
-import ast
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -22,6 +20,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vime.backends.megatron_utils.config import transformer_config_kwargs
 from vime.backends.megatron_utils.grouped_experts import check_grouped_gemm_config, use_grouped_experts
 from vime.backends.megatron_utils.hf_mapping import padded_vocab_size
 from vime.backends.megatron_utils.packed_layout import PackedLayout
@@ -127,105 +126,9 @@ def packed_seq_params(layout: PackedLayout) -> PackedSeqParams:
     return params
 
 
-def compute_dtype(args: argparse.Namespace) -> torch.dtype:
-    """bf16 with ``--bf16``, fp16 with ``--fp16``, else fp32."""
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
-def _moe_layer_freq(value) -> int | list[int]:
-    if isinstance(value, (int, list)):
-        return value
-    text = str(value).strip()
-    if text.lstrip("-").isdigit():
-        return int(text)
-    # Megatron's pattern syntax, e.g. "([0]*3+[1]*43)": a list expression of integer literals only.
-    tree = ast.parse(text, mode="eval")
-    allowed = (ast.Expression, ast.BinOp, ast.Add, ast.Mult, ast.List, ast.Constant, ast.Load)
-    if not all(isinstance(node, allowed) for node in ast.walk(tree)):
-        raise ValueError(
-            f"--moe-layer-freq {text!r}: expected an int or a list expression like '([0]*1+[1]*3)'"
-        )
-    return list(eval(compile(tree, "--moe-layer-freq", "eval"), {"__builtins__": {}}))  # noqa: S307
-
-
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
-    """The ``TransformerConfig`` of the Megatron flags (dropout off: PPO ratios need a deterministic policy)."""
-    if args.normalization != "RMSNorm":
-        raise ValueError("the Megatron backend supports --normalization RMSNorm models only")
-    dtype = compute_dtype(args)
-    # mcore refuses its default "allgather" dispatcher with variable sequence lengths (PP > 1) even in a
-    # dense model, where no dispatcher runs
-    moe = {"moe_token_dispatcher_type": "alltoall"}
-    if args.num_experts:
-        moe = dict(
-            num_moe_experts=args.num_experts,
-            moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
-            moe_router_topk=args.moe_router_topk,
-            moe_router_pre_softmax=args.moe_router_pre_softmax,
-            moe_router_score_function=args.moe_router_score_function,
-            moe_router_dtype=args.moe_router_dtype or "fp32",
-            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
-            moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
-            moe_router_num_groups=args.moe_router_num_groups,
-            moe_router_group_topk=args.moe_router_group_topk,
-            moe_router_load_balancing_type=(
-                args.moe_router_load_balancing_type if args.moe_aux_loss_coeff else "none"
-            ),
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-            moe_layer_freq=_moe_layer_freq(args.moe_layer_freq),
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_grouped_gemm=False,  # Megatron's needs TransformerEngine; --moe-grouped-gemm: GroupedGemmExperts
-            moe_permute_fusion=False,
-        )
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
-        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
-        normalization="RMSNorm",
-        layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=args.qk_layernorm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=args.init_method_std,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        attention_softmax_in_fp32=True,
-        apply_rope_fusion=False,
-        # SwiGLU as one compiled kernel that keeps only its input for backward (Megatron's swiglu fusion)
-        bias_activation_fusion=args.swiglu and args.bias_swiglu_fusion,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        transformer_impl="local",
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        # vime's losses are already each micro-batch's share of the global loss: Megatron must not divide by
-        # the number of micro-batches, and DDP must sum (not average) gradients over data-parallel ranks.
-        calculate_per_token_loss=True,
-        # packed micro-batches differ in length; only pipeline p2p needs to know (and then MoE needs alltoall)
-        variable_seq_lengths=args.pipeline_model_parallel_size > 1,
-        **moe,
-    )
+    """The ``TransformerConfig`` of the Megatron flags (:func:`transformer_config_kwargs`)."""
+    return TransformerConfig(**transformer_config_kwargs(args))
 
 
 def build_gpt_model(

@@ -33,13 +33,17 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from vime.backends.megatron_utils import checkpoint, weights
-from vime.backends.megatron_utils.config import apply_megatron_config, load_hook
+from vime.backends.megatron_utils.config import (
+    apply_megatron_config,
+    compute_dtype,
+    ddp_config_kwargs,
+    load_hook,
+)
 from vime.backends.megatron_utils.hf_config import check_hf_config, load_hf_config
 from vime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
 from vime.backends.megatron_utils.model import (
     add_value_head,
     build_gpt_model,
-    compute_dtype,
     packed_seq_params,
     transformer_config,
 )
@@ -116,11 +120,7 @@ class MegatronTrainer(TrainerBase):
 
         module = self._load_module(args.hf_checkpoint)
         apply_trainable_patterns(module, args.freeze_params_name_list, args.only_train_params_name_list)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-        )
+        ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(args))
         self.model = DistributedDataParallel(self.config, ddp_config, module)
         self.module = module
         lr = args.critic_lr if role == "critic" and args.critic_lr is not None else args.lr

@@ -19,7 +19,14 @@ SCHEDULE = [
         "--max-tokens-per-gpu",
         dict(type=int, default=None, help="Token budget per micro-batch with dynamic batching."),
     ),
-    ("--gradient-checkpointing", dict(action="store_true", help="Activation checkpointing (fsdp backend).")),
+    (
+        "--gradient-checkpointing",
+        dict(
+            action="store_true",
+            help="Activation checkpointing of every layer, on either backend: the same as --recompute-granularity "
+            "full --recompute-method uniform --recompute-num-layers 1.",
+        ),
+    ),
     (
         "--balance-data",
         dict(

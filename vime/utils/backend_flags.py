@@ -1,0 +1,144 @@
+"""The Megatron-named flags per ``--train-backend``: each is implemented, mapped to what the backend has, or refused
+with the reason (a ``scripts/models/*.sh`` MODEL_ARGS line is taken by both backends, so nothing is silently ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+logger = logging.getLogger(__name__)
+
+_MEGATRON_PARALLELISM = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
+
+# Megatron-LM flags (in MODEL_ARGS scripts) that vime's Megatron backend does not implement: refused when set.
+MEGATRON_UNSUPPORTED = {
+    "decoder_first_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
+    "decoder_last_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
+    "optimizer_cpu_offload": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
+    "overlap_cpu_optimizer_d2h_h2d": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
+    "use_precision_aware_optimizer": "the precision-aware optimizer (it needs TransformerEngine)",
+    "moe_permute_fusion": "fused token permutation (it needs TransformerEngine)",
+}
+
+# Megatron-Core's attention backends (its AttnBackend): fused and unfused pick TransformerEngine kernels.
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+_TE_ATTENTION = {"fused": "cuDNN fused attention", "unfused": "unfused attention"}
+VIME_ATTENTION = (
+    "vime runs its own packed attention on either backend (FlashAttention-2's varlen kernels on CUDA in bf16, "
+    "PyTorch SDPA otherwise), without TransformerEngine"
+)
+
+
+def check_backend_flags(args: argparse.Namespace) -> None:
+    """Refuse the Megatron flags the chosen backend cannot honour, and map the ones it can (ValueError naming the
+    flag, the reason and the fix)."""
+    if used := [dest for dest in MEGATRON_UNSUPPORTED if getattr(args, dest, None) not in (None, False)]:
+        raise ValueError(
+            "; ".join(
+                f"--{d.replace('_', '-')}: vime's Megatron backend has no {MEGATRON_UNSUPPORTED[d]}"
+                for d in used
+            )
+            + "; drop the flag"
+        )
+    if args.ckpt_format != "torch_dist":
+        raise ValueError(
+            f"--ckpt-format {args.ckpt_format}: vime writes Megatron checkpoints as torch_dist only"
+        )
+    dropout = {"--attention-dropout": args.attention_dropout, "--hidden-dropout": args.hidden_dropout}
+    if dropout := [f"{flag} {value}" for flag, value in dropout.items() if value]:
+        raise ValueError(
+            f"{', '.join(dropout)}: vime trains without dropout (the engines run none, so dropout would make the "
+            "trainer's log-probs differ from the rollout's and bias the importance ratios); pass 0 or drop the flag"
+        )
+    if args.mtp_num_layers:
+        raise ValueError(
+            f"--mtp-num-layers {args.mtp_num_layers}: vime does not train multi-token-prediction layers (a "
+            "checkpoint's MTP weights are left out of training and of the weight sync); drop the flag"
+        )
+    _check_layer_implementation(args)
+    _check_recompute(args)
+    if args.train_backend == "fsdp":
+        _check_fsdp(args)
+
+
+def _check_layer_implementation(args: argparse.Namespace) -> None:
+    if args.transformer_impl != "local":
+        raise ValueError(
+            f"--transformer-impl {args.transformer_impl}: vime builds Megatron-Core's local layers with its own "
+            "packed attention and norms (TransformerEngine is not a dependency); pass --transformer-impl local or "
+            "drop the flag"
+        )
+    backend = getattr(args.attention_backend, "name", args.attention_backend)  # Megatron-LM's parser: an enum
+    if backend in _TE_ATTENTION:
+        raise ValueError(
+            f"--attention-backend {backend}: TransformerEngine's {_TE_ATTENTION[backend]}, which vime does not use: "
+            f"{VIME_ATTENTION}. Pass --attention-backend flash (or auto) or drop the flag"
+        )
+    if backend != "auto":
+        logger.info("--attention-backend %s: %s", backend, VIME_ATTENTION)
+
+
+def _check_recompute(args: argparse.Namespace) -> None:
+    """Megatron-Core's rules for the recompute flags, checked at parse time for both backends; slime's scripts pass
+    ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``."""
+    granularity, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if args.gradient_checkpointing:
+        if granularity is not None:
+            raise ValueError(
+                f"--gradient-checkpointing with --recompute-granularity {granularity}: --gradient-checkpointing is "
+                "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1; pass one of them"
+            )
+        args.recompute_granularity, args.recompute_method, args.recompute_num_layers = "full", "uniform", 1
+        return
+    if granularity != "full" and (method is not None or layers is not None):
+        given = " ".join(
+            f"{flag} {value}"
+            for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
+            if value is not None
+        )
+        raise ValueError(
+            f"{given}: these choose the layers of --recompute-granularity full only (Megatron-Core ignores "
+            f"them with {granularity or 'no recompute'}); add --recompute-granularity full or drop them"
+        )
+    if granularity == "full" and (method is None or layers is None or layers < 1):
+        raise ValueError(
+            f"--recompute-granularity full with --recompute-method {method} --recompute-num-layers {layers}: "
+            "Megatron-Core needs both, a method (uniform or block) and a layer count >= 1; e.g. "
+            "--recompute-method uniform --recompute-num-layers 1 (every layer)"
+        )
+
+
+def _check_fsdp(args: argparse.Namespace) -> None:
+    """The fsdp backend shards over data-parallel ranks only and checkpoints whole Hugging Face decoder layers."""
+    used = [
+        f"--{n.replace('_', '-')} {getattr(args, n)}" for n in _MEGATRON_PARALLELISM if getattr(args, n) > 1
+    ]
+    used += ["--sequence-parallel"] * bool(args.sequence_parallel)
+    if used:
+        raise ValueError(
+            f"{', '.join(used)}: the fsdp backend shards over data-parallel ranks only; these are Megatron "
+            "flags (use --train-backend megatron)"
+        )
+    if args.recompute_granularity == "selective":
+        raise ValueError(
+            "--recompute-granularity selective: Megatron's recompute of core attention only; the fsdp backend "
+            "checkpoints whole decoder layers. Use --recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 1 (or --gradient-checkpointing), or --train-backend megatron"
+        )
+    if args.recompute_method == "uniform" and args.recompute_num_layers != 1:
+        raise ValueError(
+            f"--recompute-method uniform --recompute-num-layers {args.recompute_num_layers}: the fsdp backend "
+            "checkpoints each decoder layer on its own, not groups of layers; use --recompute-num-layers 1 (every "
+            "layer), or --recompute-method block N (the first N layers)"
+        )
+    if args.use_distributed_optimizer:
+        logger.info(
+            "--use-distributed-optimizer: the fsdp backend always shards the optimizer state (with the parameters "
+            "and gradients) over the data-parallel ranks"
+        )
