@@ -31,6 +31,25 @@ TEST_VLLM_FLAGS = ["--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-ma
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 MakeArgs = Callable[..., argparse.Namespace]
+ENGINE_PACKAGES = ("vllm", "vllm_router", "ray")
+INSTALL_STEP = "make install (scripts/install.sh: pip install -e '.[cpu,dev]'; on GPU machines '.[gpu,dev]')"
+
+
+def require_engines() -> None:
+    """Every e2e test needs vLLM, vllm-router and Ray: without one it is skipped with the reason, or fails under
+    ``VIME_REQUIRE_ENGINES=1`` (``make test`` sets it, so a broken install cannot look green)."""
+    missing = [name for name in ENGINE_PACKAGES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    message = f"{', '.join(missing)} not installed; install with: {INSTALL_STEP}"
+    if os.environ.get("VIME_REQUIRE_ENGINES") == "1":
+        pytest.fail(f"VIME_REQUIRE_ENGINES=1 and {message}", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engines_installed() -> None:
+    require_engines()
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +93,7 @@ class Launcher:
     ) -> VLLMEngine:
         """A ready engine for ``model_dir``; ``vime_flags`` are vime/``--vllm-*`` flags, ``extra_args`` raw
         vLLM flags. Its ``ready_s`` is the start time in seconds."""
-        if importlib.util.find_spec("vllm") is None:
-            pytest.skip("vllm is not installed")
+        require_engines()
         engine = VLLMEngine(
             self.make_args(model_dir, *vime_flags),
             log_path=self.log_dir / f"engine_{len(self.servers)}.log",
@@ -89,8 +107,7 @@ class Launcher:
 
     def router(self, *vime_flags: str) -> RouterProcess:
         """A ready vllm-router (no workers); ``vime_flags`` may hold ``--router-*`` flags."""
-        if importlib.util.find_spec("vllm_router") is None:
-            pytest.skip("vllm-router is not installed")
+        require_engines()
         router = RouterProcess(
             self.make_args("unused", *vime_flags), log_path=self.log_dir / f"router_{len(self.servers)}.log"
         )
@@ -200,8 +217,7 @@ def without_vllm_flags(argv: list[str]) -> list[str]:
 
 @pytest.fixture(scope="session")
 def _engine_pool(tiny_model_dir, tmp_path_factory, make_args) -> Iterator[EnginePool]:
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed")
+    require_engines()
     log_dir = tmp_path_factory.mktemp("pool")
     args = make_args(tiny_model_dir, "--vllm-max-model-len", str(POOL_CONTEXT))
     engines = [
