@@ -163,3 +163,19 @@ def test_fsdp_recomputes_exactly_the_checkpointed_layers_in_backward(flags, reco
     model(torch.arange(8).unsqueeze(0)).logits.sum().backward()
     assert [i for i, n in enumerate(calls) if n == 2] == recomputed
     assert all(n in (1, 2) for n in calls)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--expert-tensor-parallel-size", "2"],
+        ["--custom-megatron-init-path", "m.init"],
+        ["--custom-megatron-before-log-prob-hook-path", "m.hook"],
+        ["--custom-megatron-before-train-step-hook-path", "m.hook"],
+        ["--megatron-config-path", "roles.yaml"],
+    ],
+)
+def test_fsdp_refuses_megatron_parallelism_hooks_and_role_config_it_would_ignore(flags):
+    message = refusal("fsdp", *flags)
+    assert flags[0] in message and "--train-backend megatron" in message
+    check_backend_flags(build_parser().parse_args([*BASE, "--train-backend", "megatron", *flags]))

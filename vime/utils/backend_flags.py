@@ -119,11 +119,25 @@ def _check_fsdp(args: argparse.Namespace) -> None:
     used = [
         f"--{n.replace('_', '-')} {getattr(args, n)}" for n in _MEGATRON_PARALLELISM if getattr(args, n) > 1
     ]
+    used += [f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}"] * (
+        (args.expert_tensor_parallel_size or 1) > 1
+    )
     used += ["--sequence-parallel"] * bool(args.sequence_parallel)
     if used:
         raise ValueError(
             f"{', '.join(used)}: the fsdp backend shards over data-parallel ranks only; these are Megatron "
             "flags (use --train-backend megatron)"
+        )
+    megatron_hooks = {
+        "--custom-megatron-init-path": args.custom_megatron_init_path,
+        "--custom-megatron-before-log-prob-hook-path": args.custom_megatron_before_log_prob_hook_path,
+        "--custom-megatron-before-train-step-hook-path": args.custom_megatron_before_train_step_hook_path,
+        "--megatron-config-path": args.megatron_config_path,
+    }
+    if used := [flag for flag, value in megatron_hooks.items() if value]:
+        raise ValueError(
+            f"{', '.join(used)}: hooks and per-role flags of the Megatron backend, which the fsdp backend never "
+            "calls or reads; drop them or use --train-backend megatron"
         )
     if args.recompute_granularity == "selective":
         raise ValueError(
