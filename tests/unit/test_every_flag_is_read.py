@@ -6,6 +6,8 @@ validate flags, for loads of ``<x>args.<dest>`` (``args``, ``self.args``, ``eval
 the Megatron-named ones (not the ``--vllm-*``/``--router-*`` pass-through, which reaches the servers' own parsers,
 nor the refused slime flags). A ``getattr`` whose name is computed must be listed in ``COMPUTED_READS``; a flag
 that is rightly not read after validation must be listed, with the reason, in ``NOT_READ_AFTER_VALIDATION``.
+A flag only one training backend reads must be refused or mapped at parse time for the other (or listed in
+``ONE_BACKEND_NEEDS_NO_CHECK``), so that neither backend accepts it and does nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import ast
 import re
 from pathlib import Path
 
+from vime.utils import megatron_args
 from vime.utils.arguments import build_parser
 from vime.utils.backend_flags import MEGATRON_UNSUPPORTED
 from vime.utils.passthrough_args import _OwnedByVimeAction
@@ -85,6 +88,14 @@ NOT_READ_AFTER_VALIDATION = {
 }
 
 
+# Read by one training backend only, yet fine with the other without a parse-time check, with the reason. The model
+# description (megatron_args' model and MoE sections) needs none: the fsdp backend takes it from config.json.
+ONE_BACKEND_NEEDS_NO_CHECK = {
+    "accumulate_allreduce_grads_in_fp32": "the fsdp backend always reduces gradients in fp32 (its mixed precision)",
+}
+BACKEND_PACKAGES = {"megatron": "vime/backends/megatron_utils/", "fsdp": "vime/backends/fsdp_utils/"}
+
+
 def parser_flags() -> dict[str, str]:
     """dest -> first option string of every flag vime's parser accepts, Megatron-named ones included."""
     parser = build_parser()
@@ -146,15 +157,30 @@ def walked_files() -> list[Path]:
     ]
 
 
+def reads_per_file() -> dict[str, tuple[set[str], set[str]]]:
+    """File -> (dests read, computed getattr names) over the walked code."""
+    return {
+        path.relative_to(ROOT).as_posix(): reads_in(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+        for path in walked_files()
+    }
+
+
 def scan() -> tuple[set[str], set[tuple[str, str]]]:
     """(every dest read in the walked code, every (file, computed getattr name) found there)."""
     read: set[str] = set()
     computed: set[tuple[str, str]] = set()
-    for path in walked_files():
-        names, dynamic = reads_in(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+    for path, (names, dynamic) in reads_per_file().items():
         read |= names
-        computed |= {(path.relative_to(ROOT).as_posix(), source) for source in dynamic}
+        computed |= {(path, source) for source in dynamic}
     return read, computed
+
+
+def validation_reads() -> set[str]:
+    """The dests the flag and validation modules read (refusals and mappings at parse time)."""
+    read = set()
+    for module in ARGUMENT_MODULES:
+        read |= reads_in(ast.parse((ROOT / module).read_text(encoding="utf-8")))[0]
+    return read | set(MEGATRON_UNSUPPORTED)  # read there as getattr(args, dest) over that dict
 
 
 def test_the_walk_finds_reads_and_misses_writes_and_mentions():
@@ -203,10 +229,28 @@ def test_the_not_read_list_is_still_needed_and_each_entry_is_validated():
     read, _ = scan()
     assert set(NOT_READ_AFTER_VALIDATION) <= set(flags), "a listed flag no longer exists"
     assert not set(NOT_READ_AFTER_VALIDATION) & read, "now read after validation: drop it from the list"
-    validation = set()
-    for module in ARGUMENT_MODULES:
-        validation |= reads_in(ast.parse((ROOT / module).read_text(encoding="utf-8")))[0]
-    checked = validation | set(MEGATRON_UNSUPPORTED)  # read there as getattr(args, dest) over that dict
-    assert not sorted(set(NOT_READ_AFTER_VALIDATION) - checked - {"attention_softmax_in_fp32"}), (
+    assert not sorted(set(NOT_READ_AFTER_VALIDATION) - validation_reads() - {"attention_softmax_in_fp32"}), (
         "listed but not even checked at parse time"
     )
+
+
+def test_a_flag_one_backend_reads_is_refused_or_mapped_for_the_other():
+    """With --train-backend fsdp, --recompute-* and --use-distributed-optimizer were accepted and ignored (issue 22):
+    a flag read by one backend only must be checked at parse time, or listed with the reason."""
+    flags, per_file = parser_flags(), reads_per_file()
+    description = argparse.ArgumentParser()
+    for flag, kwargs in (*megatron_args._MODEL, *megatron_args._MOE):
+        description.add_argument(flag, **kwargs)
+    model_description = {action.dest for action in description._actions}
+    checked = validation_reads() | set(ONE_BACKEND_NEEDS_NO_CHECK)
+    for backend, package in BACKEND_PACKAGES.items():
+        inside = set().union(*(names for path, (names, _) in per_file.items() if path.startswith(package)))
+        outside = set().union(
+            *(names for path, (names, _) in per_file.items() if not path.startswith(package))
+        )
+        only_here = {dest for dest in inside - outside if dest in flags}
+        unchecked = sorted(flags[dest] for dest in only_here - model_description - checked)
+        assert not unchecked, (
+            f"read only by the {backend} backend, and accepted by the other without a check: {unchecked}"
+        )
+    assert set(ONE_BACKEND_NEEDS_NO_CHECK) <= set(flags)

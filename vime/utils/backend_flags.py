@@ -9,13 +9,6 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-_MEGATRON_PARALLELISM = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-)
-
 # Megatron-LM flags (in MODEL_ARGS scripts) that vime's Megatron backend does not implement: refused when set.
 MEGATRON_UNSUPPORTED = {
     "decoder_first_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
@@ -116,12 +109,14 @@ def _check_recompute(args: argparse.Namespace) -> None:
 
 def _check_fsdp(args: argparse.Namespace) -> None:
     """The fsdp backend shards over data-parallel ranks only and checkpoints whole Hugging Face decoder layers."""
-    used = [
-        f"--{n.replace('_', '-')} {getattr(args, n)}" for n in _MEGATRON_PARALLELISM if getattr(args, n) > 1
-    ]
-    used += [f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}"] * (
-        (args.expert_tensor_parallel_size or 1) > 1
-    )
+    parallel = {
+        "--tensor-model-parallel-size": args.tensor_model_parallel_size,
+        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+        "--context-parallel-size": args.context_parallel_size,
+        "--expert-model-parallel-size": args.expert_model_parallel_size,
+        "--expert-tensor-parallel-size": args.expert_tensor_parallel_size or 1,
+    }
+    used = [f"{flag} {size}" for flag, size in parallel.items() if size > 1]
     used += ["--sequence-parallel"] * bool(args.sequence_parallel)
     if used:
         raise ValueError(
