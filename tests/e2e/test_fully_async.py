@@ -1,5 +1,5 @@
-"""The fully-async rollout end to end on CPU: ``train_async.py`` on the quick-start task with a real vLLM engine,
-vllm-router, Ray and the FSDP trainer. The reward rises; no trained sample lags the weights that train on it by
+"""The fully-async rollout end to end on CPU: ``train_async.py`` on the quick-start task with the pooled vLLM
+engines (``--rollout-external-engine-addrs``), vllm-router, Ray and the FSDP trainer. The reward rises; no trained sample lags the weights that train on it by
 more than ``--max-staleness`` (read from every sample's ``weight_versions`` in ``--save-debug-rollout-data``, against
 the trainer's version counted independently: train_async.py trains rollout r on weight version r + 1); the worker
 does run ahead (lag 2 occurs); the final checkpoint's data buffer holds exactly the drawn, untrained groups; nothing
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_env, wait_until_no_marked_processes
+from conftest import read_metrics, run_env, wait_until_no_marked_processes, without_vllm_flags
 from test_loop_learns import _quickstart_argv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -22,10 +22,14 @@ NUM_ROLLOUT = 55  # the 5-step mean passes 0.5 at ~35-45 (samples two weight ver
 MAX_STALENESS = 2
 
 
-def test_train_async_with_fully_async_rollout_learns_within_the_staleness_bound(tiny_model_dir, tmp_path):
+def test_train_async_with_fully_async_rollout_learns_within_the_staleness_bound(
+    tiny_model_dir, tmp_path, engine_pool
+):
     marker = f"fully-async-{tmp_path.name}"
     argv = [
-        sys.executable, str(REPO / "train_async.py"), *_quickstart_argv(tiny_model_dir, tmp_path, NUM_ROLLOUT),
+        sys.executable, str(REPO / "train_async.py"),
+        *without_vllm_flags(_quickstart_argv(tiny_model_dir, tmp_path, NUM_ROLLOUT)),
+        "--rollout-external-engine-addrs", *engine_pool.addrs(),
         "--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout",
         "--max-staleness", str(MAX_STALENESS),
         "--save-debug-rollout-data", str(tmp_path / "rollouts" / "{rollout_id}.json"),

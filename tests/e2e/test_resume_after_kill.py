@@ -1,6 +1,7 @@
 """SIGKILL ``train.py`` after a checkpoint: every process of the run goes with it (its own local Ray instance too),
 and ``--load`` resumes at the next rollout id with the same data order and no prompt duplicated or skipped. While it
-runs, none of its processes (Ray's, the driver, the trainer's stores, engines, router) listens beyond loopback."""
+runs, none of its processes (Ray's, the driver, the trainer's stores, router) listens beyond loopback (its engines are
+pooled ones it attaches to: test_fault_tolerance.py checks the listeners of engines a run starts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from conftest import (
-    TEST_VLLM_FLAGS,
     new_marker,
     non_loopback_listeners,
     read_metrics,
@@ -30,7 +30,7 @@ NUM_PROMPTS, BATCH, NUM_ROLLOUT, SAVE_INTERVAL = (
 )  # 3 rollouts per epoch; saves after rollouts 2, 5, 7
 
 
-def _argv(model_dir: Path, tmp_path: Path, name: str) -> list[str]:
+def _argv(model_dir: Path, tmp_path: Path, name: str, engines: list[str]) -> list[str]:
     return [
         sys.executable, str(REPO / "train.py"), "--train-backend", "fsdp", "--hf-checkpoint", str(model_dir),
         "--prompt-data", f"{model_dir}/train.jsonl@[0:{NUM_PROMPTS}]", "--rollout-shuffle", "--rm-type", "exact",
@@ -38,7 +38,7 @@ def _argv(model_dir: Path, tmp_path: Path, name: str) -> list[str]:
         "--num-rollout", str(NUM_ROLLOUT), "--lr", "1e-3", "--save-interval", str(SAVE_INTERVAL),
         "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / name),
         "--save-debug-rollout-data", str(tmp_path / name / "rollout_{rollout_id}.json"),
-        "--rollout-function-path", "rollout_plugins.stall_at_rollout", *TEST_VLLM_FLAGS,
+        "--rollout-function-path", "rollout_plugins.stall_at_rollout", "--rollout-external-engine-addrs", *engines,
     ]  # fmt: skip
 
 
@@ -63,11 +63,11 @@ def _prompt_indices(run_dir: Path) -> dict[int, list[int]]:
     return result
 
 
-def test_sigkill_after_save_then_load_resumes_with_the_same_prompts(tiny_model_dir, tmp_path):
+def test_sigkill_after_save_then_load_resumes_with_the_same_prompts(tiny_model_dir, tmp_path, engine_pool):
     killed_marker, resumed_marker = new_marker("killed"), new_marker("resumed")
     with open(tmp_path / "killed.log", "w") as log:
         killed = subprocess.Popen(
-            _argv(tiny_model_dir, tmp_path, "killed"), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+            _argv(tiny_model_dir, tmp_path, "killed", engine_pool.addrs(1)), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
             env=_env(killed_marker, VIME_TEST_STALL_AT="4"),
         )  # fmt: skip
         # The run checkpoints rollout 2, completes rollout 3, then stalls generating rollout 4: kill it there.
@@ -85,7 +85,7 @@ def test_sigkill_after_save_then_load_resumes_with_the_same_prompts(tiny_model_d
     assert wait_until_no_marked_processes(killed_marker, timeout=20) == [], "the killed run left processes"
 
     resumed = subprocess.run(
-        _argv(tiny_model_dir, tmp_path, "resumed"), capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        _argv(tiny_model_dir, tmp_path, "resumed", engine_pool.addrs(1)), capture_output=True, text=True, timeout=600, cwd=tmp_path,
         env=_env(resumed_marker),
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -1,5 +1,5 @@
-"""``train.py`` modes beyond plain GRPO: PPO with a critic (critic-only warm-up steps, ``--critic-save``), and
-``--debug-train-only`` (training from saved rollouts without any engine)."""
+"""``train.py`` modes beyond plain GRPO: PPO with a critic (critic-only warm-up steps, ``--critic-save``; on a pooled
+engine), and ``--debug-train-only`` (training from saved rollouts without any engine)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TEST_VLLM_FLAGS, read_metrics, run_env, wait_until_no_marked_processes
+from conftest import read_metrics, run_env, wait_until_no_marked_processes
 
 from vime.rollout.rollout_manager import save_rollout_data
 from vime.utils.types import RolloutFnTrainOutput, Sample, Status
@@ -35,7 +35,7 @@ def _train(tmp_path: Path, marker: str, *flags: str) -> list[dict]:
     return read_metrics(tmp_path / "logs")
 
 
-def test_ppo_trains_the_critic_alone_first_then_both(tiny_model_dir, tmp_path):
+def test_ppo_trains_the_critic_alone_first_then_both(tiny_model_dir, tmp_path, engine_pool):
     records = _train(
         tmp_path, f"ppo-{tmp_path.name}",
         "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(tiny_model_dir / "train.jsonl"),
@@ -43,7 +43,7 @@ def test_ppo_trains_the_critic_alone_first_then_both(tiny_model_dir, tmp_path):
         "--rm-type", "exact", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "2", "--num-rollout", "3", "--lr", "1e-3", "--critic-lr", "1e-3",
         "--save", str(tmp_path / "ckpt"), "--critic-save", str(tmp_path / "critic"), "--save-interval", "3",
-        "--save-hf", str(tmp_path / "hf" / "step_{rollout_id}"), *TEST_VLLM_FLAGS,
+        "--save-hf", str(tmp_path / "hf" / "step_{rollout_id}"), "--rollout-external-engine-addrs", *engine_pool.addrs(1),
     )  # fmt: skip
     assert [r["rollout_id"] for r in records] == [0, 1, 2]
     exported = tmp_path / "hf" / "step_2"  # --save-hf at the (only) save, loadable by transformers
