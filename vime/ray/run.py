@@ -13,6 +13,7 @@ import ray
 from ray._private import ray_constants
 
 from vime.backends.vllm_utils import control_auth
+from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.ray.placement_group import bundle_slots, create_placement_groups, num_bundles
 from vime.ray.rollout_batch import RolloutBatch
 from vime.ray.rollout_manager import create_rollout_manager
@@ -109,6 +110,7 @@ class Run:
                     self.weight_version += 1
                     self.trained_since_sync = False
                 self.actor.sync_weights(urls, self.weight_version, self._sync_dir())
+                self.check_engine_weights(urls)
                 ray.get(self.manager.admit_engines.remote(urls, self.weight_version))
         return ray.get(rollout)
 
@@ -200,19 +202,31 @@ class Run:
         ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
         ray.get(self.manager.before_weight_update.remote())  # until set_weight_version
         metrics, synced = self._push_weights(sync_dir)
-        if self.args.check_weight_update_equal:  # the trainer's side, before its weights leave the GPU
-            tokens = weight_check.check_tokens(self.args.hf_checkpoint)
-            expected = self.actor.sequence_log_probs(tokens)
+        # the trainer's side of the check, before its weights leave the GPU
+        expected = self._trainer_check_log_probs() if self.args.check_weight_update_equal else None
         metrics |= self.offload_trainers()  # after the sync: it reads the actor's weights
         ray.get(self.manager.wake_up.remote(["kv_cache"]))
-        if self.args.check_weight_update_equal:
-            scores = ray.get(self.manager.engine_log_probs.remote(tokens))
-            tol = weight_check.tolerance(self.args)
-            metrics["weight_sync/check_abs_diff"] = weight_check.compare(
-                expected, scores, tol, self.weight_version
-            )
+        if expected is not None:
+            metrics["weight_sync/check_abs_diff"] = self.check_engine_weights(synced, expected)
         ray.get(self.manager.set_weight_version.remote(self.weight_version, synced))
         return {**metrics, "time/sync_s": time.monotonic() - started}
+
+    def _trainer_check_log_probs(self) -> list[float]:
+        return self.actor.sequence_log_probs(weight_check.check_tokens(self.args.hf_checkpoint))
+
+    def check_engine_weights(self, urls: list[str], expected: list[float] | None = None) -> float:
+        """``--check-weight-update-equal``: each engine at ``urls`` (the ones just synced) scores the fixed sequence
+        as the actor does (``expected``: the actor's scores, else computed now); the largest mean difference, or
+        ``RuntimeError`` naming the engines off by more than :func:`~vime.utils.weight_check.tolerance`. Asked of
+        the engines directly: this runs during a rollout too, when the rollout manager is busy."""
+        if not self.args.check_weight_update_equal:
+            return 0.0
+        expected = self._trainer_check_log_probs() if expected is None else expected
+        tokens = weight_check.check_tokens(self.args.hf_checkpoint)
+        with EngineGroup(urls) as engines:
+            scores = engines.run(lambda engine: engine.prompt_log_probs(self.args.hf_checkpoint, tokens))
+        tol = weight_check.tolerance(self.args)
+        return weight_check.compare(expected, dict(zip(urls, scores, strict=True)), tol, self.weight_version)
 
     def _sync_dir(self) -> str:
         """The disk transport's directory."""

@@ -250,13 +250,6 @@ class RolloutManager:
         if self.monitor is not None:
             self.monitor.ensure_healthy()
 
-    def engine_log_probs(self, tokens: list[int]) -> dict[str, list[float]]:
-        """Each engine's log-probs of ``tokens[1:]`` (``--check-weight-update-equal``), asked of it directly."""
-        urls = self.engine_urls()
-        with EngineGroup(urls) as engines:
-            scores = engines.run(lambda engine: engine.prompt_log_probs(self.args.hf_checkpoint, tokens))
-        return dict(zip(urls, scores, strict=True))
-
     def sleep(self) -> None:
         """Free the engines' GPU memory for training (``--offload-rollout``): the weights and the KV cache are
         dropped (level 2: every weight comes back with the next sync, so none is copied to host memory and back).

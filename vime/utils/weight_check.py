@@ -20,10 +20,11 @@ def check_tokens(hf_checkpoint: str) -> list[int]:
 
 
 def tolerance(args: argparse.Namespace) -> float:
-    """Largest mean |log-prob difference| accepted: fp32 on both sides agrees to ~1e-6, half precision to ~1e-2;
-    an engine left with other weights is off by far more."""
+    """Largest mean |log-prob difference| accepted: fp32 on both sides agrees to ~3e-7 (1e-5 leaves room for
+    kernels, not for weights one optimizer step apart, ~1e-4), half precision to ~1e-2; an engine left with other
+    weights is off by far more."""
     fp32_engine = str(getattr(args, "vllm_dtype", "auto")) in ("float32", "float")
-    return 1e-3 if fp32_engine and not (args.bf16 or args.fp16) else 5e-2
+    return 1e-5 if fp32_engine and not (args.bf16 or args.fp16) else 5e-2
 
 
 def compare(trainer: list[float], engines: dict[str, list[float]], tol: float, version: int) -> float:
