@@ -189,7 +189,9 @@ def test_weight_check_compares_each_engine_with_the_trainer(model_dir):
         weight_check.compare(trainer, {"http://a": trainer, "http://b": [-1.5, -2.5, -3.5]}, 1e-3, 4)
     fp32 = parse_args([*BASE, "--vllm-dtype", "float32"])
     # fp32 both sides agree to ~3e-7: an engine one optimizer step behind (~1e-4, issue 22) must not pass
-    assert weight_check.tolerance(fp32) <= 1e-5 and weight_check.tolerance(parse_args([*BASE, "--bf16"])) == 5e-2
+    assert (
+        weight_check.tolerance(fp32) <= 1e-5 and weight_check.tolerance(parse_args([*BASE, "--bf16"])) == 5e-2
+    )
     with pytest.raises(RuntimeError, match="http://a: 0.00014"):
         weight_check.compare(trainer, {"http://a": [-1.0, -2.0, -3.00042]}, weight_check.tolerance(fp32), 4)
 

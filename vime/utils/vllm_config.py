@@ -180,7 +180,9 @@ def check_external_engines(args: argparse.Namespace) -> None:
             f"--rollout-external-engine-addrs with --rollout-num-gpus {args.rollout_num_gpus}: the run rolls out "
             "on the external engines only; drop --rollout-num-gpus (or pass 0)"
         )
-    own_flags = ["--vllm-" + token[2:] for token in passthrough_cli_args(args, "vllm") if token.startswith("--")]
+    own_flags = [
+        "--vllm-" + token[2:] for token in passthrough_cli_args(args, "vllm") if token.startswith("--")
+    ]
     if own_flags:
         raise ValueError(
             f"--rollout-external-engine-addrs with {own_flags}: --vllm-* flags configure engines vime starts; the "
