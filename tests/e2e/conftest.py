@@ -216,7 +216,7 @@ def without_vllm_flags(argv: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def _engine_pool(tiny_model_dir, tmp_path_factory, make_args) -> Iterator[EnginePool]:
+def shared_engines(tiny_model_dir, tmp_path_factory, make_args) -> Iterator[EnginePool]:
     require_engines()
     log_dir = tmp_path_factory.mktemp("pool")
     args = make_args(tiny_model_dir, "--vllm-max-model-len", str(POOL_CONTEXT))
@@ -242,10 +242,10 @@ def _engine_pool(tiny_model_dir, tmp_path_factory, make_args) -> Iterator[Engine
 
 
 @pytest.fixture
-def engine_pool(_engine_pool) -> EnginePool:
+def engine_pool(shared_engines) -> EnginePool:
     """The session's pooled engines, reset for this test."""
-    _engine_pool.reset()
-    return _engine_pool
+    shared_engines.reset()
+    return shared_engines
 
 
 # --------------------------------------------------------------------------------------------------------------

