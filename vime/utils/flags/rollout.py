@@ -108,9 +108,9 @@ ROLLOUT = [
         dict(
             type=float,
             default=1800.0,
-            help="Seconds a generation request may wait for its answer; one still unanswered (a hung engine) is "
-            "aborted and sent straight to another engine that answers /health (the router's cache-aware policy would "
-            "send the same prompt back to the hung one), with or without --use-fault-tolerance.",
+            help="Seconds a generation request may wait for its answer (default 1800); one still unanswered (a hung "
+            "engine) is aborted and sent straight to another engine that answers /health (the router's cache-aware "
+            "policy would send the same prompt back to the hung one), with or without --use-fault-tolerance.",
         ),
     ),
     (
