@@ -65,9 +65,11 @@ def init_distributed(
         device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         torch.cuda.set_device(device_id)
     timeout = timedelta(minutes=timeout_minutes)
-    # rank 0 with a listener hosts the store on it; the other ranks (and torchrun's) connect to MASTER_ADDR
+    # rank 0 with a listener hosts the store on it; the other ranks (and torchrun's) connect to MASTER_ADDR. torch
+    # prefixes the keys of an init_method's store with "default_pg" but not those of a store passed in: rank 0 adds
+    # it, or the others never find its NCCL id (every multi-rank GPU trainer hung in its eager NCCL connect)
     where = (
-        {"store": tcp_store(addr, int(port), world_size, timeout, listener)}
+        {"store": dist.PrefixStore("default_pg", tcp_store(addr, int(port), world_size, timeout, listener))}
         if listener is not None and rank == 0
         else {"init_method": f"tcp://{addr}:{port}"}
     )
