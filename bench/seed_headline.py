@@ -2,8 +2,8 @@
 ``scripts/run-qwen3-30B-A3B.sh`` settings, timed per step (rollout / train / sync / offload), through ``train.py``.
 
 The model is random-init (``bench/shapes.py``: Qwen3-30B-A3B's layer, 128 experts top-8, ``--num-layers`` of its
-48 layers, vocab 61). Responses ignore EOS and have lengths drawn per sample around ``--mean-response-len``
-(``bench.fixed_length.generate_drawn_length``), so the work per step is known. Batch settings are slime's: 32
+48 layers, Qwen3's 151,936-token vocabulary). Responses ignore EOS and have lengths drawn per sample around
+``--mean-response-len`` (``bench.fixed_length.generate_drawn_length``), so the work per step is known. Batch settings are slime's: 32
 prompts x 8 samples, global batch 256 (one optimizer step per rollout), responses up to 8192 tokens, KL loss on
 with coefficient 0 (so the reference model's forward runs), eps-clip 0.2/0.28, Adam lr 1e-6 with weight decay 0.1
 and betas (0.9, 0.98), full recompute, ``--max-tokens-per-gpu 20480``, the engines at 0.7 of the GPU memory. On
