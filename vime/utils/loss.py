@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vime.utils import mismatch, ppo_utils
+from vime.utils.chunked_log_probs import chunked_log_probs
 from vime.utils.misc import load_function
 
 Reducer = Callable[[torch.Tensor], torch.Tensor]
@@ -197,9 +198,15 @@ def get_log_probs_and_entropy(
     labels = torch.cat(
         [torch.as_tensor(t)[-n:] for t, n in zip(unconcat_tokens, response_lengths, strict=True)]
     )
-    log_probs = ppo_utils.log_probs_from_logits(logits, labels.to(logits.device), args.rollout_temperature)
+    log_probs, entropy = chunked_log_probs(
+        logits,
+        labels.to(logits.device),
+        args.rollout_temperature,
+        with_entropy=with_entropy,
+        entropy_requires_grad=True,  # a custom loss may differentiate it
+        chunk_size=args.log_probs_chunk_size,
+    )
     out = {"log_probs": list(log_probs.split(response_lengths))}
-    if with_entropy:
-        entropy = ppo_utils.entropy_from_logits(logits, args.rollout_temperature)
+    if entropy is not None:
         out["entropy"] = list(entropy.split(response_lengths))
     return out

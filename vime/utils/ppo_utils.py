@@ -295,14 +295,6 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def in_row_chunks(fn, chunk_size: int, *rows: torch.Tensor) -> torch.Tensor:
-    """``fn(*rows)`` computed ``chunk_size`` rows (first dim) at a time and concatenated (``--log-probs-chunk-size``):
-    the fp32 ``[rows, vocab]`` temporaries of a log-softmax then exist for one chunk at a time; -1: all at once."""
-    if chunk_size < 1 or rows[0].shape[0] <= chunk_size:
-        return fn(*rows)
-    return torch.cat([fn(*parts) for parts in zip(*(r.split(chunk_size) for r in rows), strict=True)])
-
-
 # -------------------------------------------------------------------------------------------------- reduction
 def reduce_token_loss(
     per_token_loss: torch.Tensor,

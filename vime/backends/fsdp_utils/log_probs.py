@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vime.utils.ppo_utils import entropy_from_logits, in_row_chunks, log_probs_from_logits
+from vime.utils.chunked_log_probs import chunked_log_probs
 from vime.utils.train_data import PackedBatch
 from vime.utils.varlen_attention import VarlenBlocks
 
@@ -43,17 +43,18 @@ def token_log_probs(
     chunk_size: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and the entropy of each predicting distribution) for ``logits / temperature``,
-    1-D fp32, ``chunk_size`` rows at a time (``--log-probs-chunk-size``; -1: all at once). Grad flows to the
-    log-probs if the caller enables it; to the entropy only with ``entropy_requires_grad`` (its softmax would
-    otherwise be kept for backward)."""
-    log_probs = in_row_chunks(
-        lambda z, y: log_probs_from_logits(z, y, temperature), chunk_size, logits, labels
+    1-D fp32, ``chunk_size`` rows at a time (``--log-probs-chunk-size``; -1: all at once) forward and backward
+    (:func:`~vime.utils.chunked_log_probs.chunked_log_probs`: no fp32 ``[tokens, vocab]`` temporary is kept for
+    backward). Grad flows to the log-probs if the caller enables it; to the entropy only with
+    ``entropy_requires_grad``."""
+    return chunked_log_probs(
+        logits,
+        labels,
+        temperature,
+        with_entropy=with_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+        chunk_size=chunk_size,
     )
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_requires_grad):
-            entropy = in_row_chunks(lambda z: entropy_from_logits(z, temperature), chunk_size, logits)
-    return log_probs, entropy
 
 
 def forward_log_probs(
