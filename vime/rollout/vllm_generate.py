@@ -121,7 +121,8 @@ class RolloutContext:
                 f"no answer from {url} within --rollout-request-timeout {self.request_timeout_s:g} s"
             ) from exc
         except aiohttp.ClientError as exc:
-            raise RetryableRequestError(f"lost {url} ({type(exc).__name__}: {exc})") from exc
+            where = "the router" if engine_url is None else "the engine"
+            raise RetryableRequestError(f"lost {where} at {url} ({type(exc).__name__}: {exc})") from exc
         status = response.status
         if status < 400:
             return json.loads(body)

@@ -104,6 +104,11 @@ def _check_algorithm(args: argparse.Namespace) -> None:
 
 
 def _check_routing_replay(args: argparse.Namespace) -> None:
+    if args.log_logprob_diff_without_replay and not args.use_rollout_routing_replay:
+        raise ValueError(
+            "--log-logprob-diff-without-replay scores an R3 batch again on the trainer's own routing; without "
+            "--use-rollout-routing-replay the logged train_rollout_logprob_abs_diff already is that: drop the flag"
+        )
     if args.use_rollout_routing_replay:
         args.use_routing_replay = True  # as slime: R3 is routing replay with the rollout's routing
     if not args.use_routing_replay:
