@@ -172,6 +172,7 @@ class FaultScript(threading.Thread):
                     ("running", "vllm:num_requests_running"),
                     ("waiting", "vllm:num_requests_waiting"),
                     ("done", "vllm:request_success_total"),
+                    ("tokens", "vllm:generation_tokens_total"),
                 )
             }
         return counts
@@ -184,12 +185,7 @@ class FaultScript(threading.Thread):
         that engine (``engines=2``: of every engine), and with ``router`` SIGKILL the router too. Records the samples
         in flight on the victims and how many samples the other engines (and the replacements) generated beyond what
         they had in hand: the re-sent ones, whoever re-sent them."""
-        before = self.wait(
-            f"requests of rollout {rollout_id} running",
-            lambda: (
-                (counts := self.engine_counts()) and any(c["running"] for c in counts.values()) and counts
-            ),
-        )
+        before = self.wait(f"requests of rollout {rollout_id} running", self._generating)
         busy = max(before, key=lambda url: before[url]["running"])
         victims = list(before) if engines > 1 else [busy]
         fault = {
@@ -209,15 +205,24 @@ class FaultScript(threading.Thread):
             f"rollout {rollout_id} generated",
             lambda: (self.rollouts_dir / f"rollout_{rollout_id}.json").exists(),
         )
-        after = self.engine_counts(
-            timeout=60
-        )  # a busy CPU engine may answer slowly; a missed one would undercount
+        # a busy CPU engine may answer slowly, and one left out would undercount
+        after = self.engine_counts(timeout=60)
         fault["in_flight"] = sum(before[url]["running"] + before[url]["waiting"] for url in victims)
+        in_hand = {url: c["done"] + c["running"] + c["waiting"] for url, c in before.items()}
         fault["generated_again"] = sum(
-            count["done"] - (0 if url not in before else sum(before[url].values()))
-            for url, count in after.items()
-            if url not in victims
+            count["done"] - in_hand.get(url, 0.0) for url, count in after.items() if url not in victims
         )
+
+    def _generating(self) -> dict[str, dict[str, float]] | None:
+        """The engines' counts once one is generating now: its generated-token counter moves and it reports requests
+        running (vLLM's gauges keep their last values while an engine is idle, so an idle one counts none)."""
+        first = self.engine_counts()
+        time.sleep(0.3)
+        then = self.engine_counts()
+        for url, count in then.items():
+            if count["tokens"] == first.get(url, count)["tokens"]:  # idle: its gauges are stale
+                count["running"] = count["waiting"] = 0.0
+        return then if any(count["running"] for count in then.values()) else None
 
     def kill_in_sync(self, version: int) -> None:
         """SIGKILL an engine once weight sync ``version`` (held) has paused every engine, then let the sync go on."""
