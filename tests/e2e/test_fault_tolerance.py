@@ -43,7 +43,7 @@ from vime.backends.vllm_utils.weight_sync import HOLD_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 REPO = Path(__file__).resolve().parents[2]
-PROMPTS, SAMPLES, RESPONSE_LEN = 8, 8, 96  # per rollout: 64 requests of 96 tokens each
+PROMPTS, SAMPLES, RESPONSE_LEN = 8, 8, 128  # per rollout: 64 samples of 128 tokens (a few seconds on 2 cores)
 FP32_DIFF = 1e-5  # train-rollout log-prob difference when both sides hold the same fp32 weights (seen: ~3e-7)
 STEP_TIMEOUT_S = 600  # the longest one scripted wait may take (an engine start on a loaded machine is ~60 s)
 
@@ -80,6 +80,7 @@ class FaultScript(threading.Thread):
         self.hold_dir.mkdir(parents=True)
         self.done = threading.Event()
         self.faults: list[dict] = []
+        self._last_counts: dict[str, dict[str, float]] = {}
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -185,6 +186,7 @@ class FaultScript(threading.Thread):
         that engine (``engines=2``: of every engine), and with ``router`` SIGKILL the router too. Records the samples
         in flight on the victims and how many samples the other engines (and the replacements) generated beyond what
         they had in hand: the re-sent ones, whoever re-sent them."""
+        self._last_counts = {}
         before = self.wait(f"requests of rollout {rollout_id} running", self._generating)
         busy = max(before, key=lambda url: before[url]["running"])
         victims = list(before) if engines > 1 else [busy]
@@ -214,15 +216,16 @@ class FaultScript(threading.Thread):
         )
 
     def _generating(self) -> dict[str, dict[str, float]] | None:
-        """The engines' counts once one is generating now: its generated-token counter moves and it reports requests
-        running (vLLM's gauges keep their last values while an engine is idle, so an idle one counts none)."""
-        first = self.engine_counts()
-        time.sleep(0.3)
-        then = self.engine_counts()
-        for url, count in then.items():
-            if count["tokens"] == first.get(url, count)["tokens"]:  # idle: its gauges are stale
+        """The engines' counts once one is generating: its generated-token counter moved since the last poll and it
+        reports requests running. Polled from the end of the previous rollout, this strikes at the rollout's start,
+        long before its requests finish (vLLM's gauges keep their last values while an engine is idle, so an
+        engine whose counter did not move counts none running)."""
+        now, last = self.engine_counts(), self._last_counts
+        self._last_counts = now
+        for url, count in now.items():
+            if url not in last or count["tokens"] == last[url]["tokens"]:
                 count["running"] = count["waiting"] = 0.0
-        return then if any(count["running"] for count in then.values()) else None
+        return now if any(count["running"] for count in now.values()) else None
 
     def kill_in_sync(self, version: int) -> None:
         """SIGKILL an engine once weight sync ``version`` (held) has paused every engine, then let the sync go on."""
@@ -289,7 +292,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
         "--entropy-coef", "0.1",  # the random policy earns no reward: this gradient moves the weights every step
         "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
         "--save-debug-rollout-data", str(tmp_path / "rollouts" / "rollout_{rollout_id}.json"),
-        "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "160",
+        "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "192",
         *flags,
     ]  # fmt: skip
     faults.start()
