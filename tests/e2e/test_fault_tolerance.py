@@ -81,6 +81,7 @@ class FaultScript(threading.Thread):
         self.done = threading.Event()
         self.faults: list[dict] = []
         self._last_counts: dict[str, dict[str, float]] = {}
+        self._pids: dict[str, int] = {}  # the engines' API servers (URL -> pid) when a strike began
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -158,11 +159,13 @@ class FaultScript(threading.Thread):
                 return proc.pid, f"http://127.0.0.1:{cmdline[cmdline.index('--prometheus-port') + 1]}/metrics"
         raise RuntimeError("fault script: no router process found")
 
-    def engine_counts(self, timeout: float = 5.0) -> dict[str, dict[str, float]]:
-        """Each live engine's samples running, waiting and finished (``vllm:request_success_total``) now; an
-        engine that does not answer within ``timeout`` is left out."""
+    def engine_counts(
+        self, timeout: float = 5.0, urls: list[str] | None = None
+    ) -> dict[str, dict[str, float]]:
+        """Each live engine's (or each of ``urls``') samples running, waiting and finished
+        (``vllm:request_success_total``) now; an engine that does not answer within ``timeout`` is left out."""
         counts = {}
-        for url in self.engines():
+        for url in self.engines() if urls is None else urls:
             try:
                 metrics = _prometheus(f"{url}/metrics", timeout)
             except OSError:
@@ -186,21 +189,19 @@ class FaultScript(threading.Thread):
         that engine (``engines=2``: of every engine), and with ``router`` SIGKILL the router too. Records the samples
         in flight on the victims and how many samples the other engines (and the replacements) generated beyond what
         they had in hand: the re-sent ones, whoever re-sent them."""
+        # the process scans first: between seeing the requests run and the kill, every millisecond counts
+        self._pids, router_pid = self.engines(), self.router()[0]
+        fault = {"rollout_id": rollout_id, "non_loopback_listeners": non_loopback_listeners(self.marker)}
         self._last_counts = {}
         before = self.wait(f"requests of rollout {rollout_id} running", self._generating)
         busy = max(before, key=lambda url: before[url]["running"])
         victims = list(before) if engines > 1 else [busy]
-        fault = {
-            "rollout_id": rollout_id,
-            "victims": victims,
-            "non_loopback_listeners": non_loopback_listeners(self.marker),
-        }
-        pids, router_pid = self.engines(), self.router()[0]
+        fault["victims"] = victims
         if router:
             os.kill(router_pid, signal.SIGKILL)
             fault["router_killed"] = True
         for url in victims:
-            os.kill(pids[url], signal.SIGSTOP if hang else signal.SIGKILL)
+            os.kill(self._pids[url], signal.SIGSTOP if hang else signal.SIGKILL)
         fault["at"] = time.monotonic()
         self.faults.append(fault)
         self.wait(
@@ -220,7 +221,7 @@ class FaultScript(threading.Thread):
         reports requests running. Polled from the end of the previous rollout, this strikes at the rollout's start,
         long before its requests finish (vLLM's gauges keep their last values while an engine is idle, so an
         engine whose counter did not move counts none running)."""
-        now, last = self.engine_counts(), self._last_counts
+        now, last = self.engine_counts(urls=list(self._pids)), self._last_counts
         self._last_counts = now
         for url, count in now.items():
             if url not in last or count["tokens"] == last[url]["tokens"]:
