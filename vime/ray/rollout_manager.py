@@ -26,8 +26,13 @@ class RayRolloutManager(RolloutManager):
     # Answered while a rollout runs (their own thread: the "fault" concurrency group).
     @ray.method(concurrency_group="fault")
     def stranded_engines(self) -> list[str]:
-        """``--use-fault-tolerance``: the replacement engines waiting for weights when no engine is left to serve."""
-        return self.monitor.stranded() if self.monitor is not None else []
+        """``--use-fault-tolerance``: the replacement engines waiting for weights when no engine is left to serve.
+        Raises the monitor's error once it has given up (an engine past ``--rollout-max-engine-restarts``), so a
+        rollout left without engines stops the run then instead of retrying its requests for the replacement window."""
+        if self.monitor is None:
+            return []
+        self.monitor.raise_if_fatal()
+        return self.monitor.stranded()
 
     @ray.method(concurrency_group="fault")
     def admit_engines(self, urls: list[str], version: int) -> None:
