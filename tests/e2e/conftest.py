@@ -22,6 +22,7 @@ import pytest
 
 from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine import ServerProcess, VLLMEngine
+from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
 from vime.backends.vllm_utils.router import RouterProcess
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils.arguments import parse_args
@@ -162,7 +163,6 @@ def module_router_factory(tmp_path_factory, make_args) -> Iterator[Callable[...,
 
 POOL_SIZE = 2
 POOL_CONTEXT = 512
-WORKER_EXTENSION = ("--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension")
 # A fixed sequence whose log-probs fingerprint the weights an engine holds.
 PROBE_TOKENS = [1, 5, 9, 14, 3, 7, 11, 2, 8, 13]
 
@@ -224,7 +224,7 @@ def shared_engines(tiny_model_dir, tmp_path_factory, make_args) -> Iterator[Engi
         VLLMEngine(
             args,
             log_path=log_dir / f"engine_{i}.log",
-            extra_args=WORKER_EXTENSION,
+            extra_args=("--worker-extension-cls", WORKER_EXTENSION_CLS),
             env=OFFLINE_ENV,
             cpu_share=(i, POOL_SIZE),
         )

@@ -7,9 +7,9 @@ that injects one fault after another, each once the previous one's replacement h
 - ``train_async.py`` (``--keep-old-actor``): an engine SIGKILLed mid-rollout, then both (the actor is a version ahead
   of the engines then).
 
-A mid-rollout fault strikes only once the engine's ``/metrics`` reports requests of that rollout running. Every rollout
-must come back whole: its requests in flight on a dead engine re-sent (by vime, ``fault/requeued_samples``, or by
-vllm-router itself, ``vllm_router_retries_total``), the trained prompts exactly the data source's first ones, each
+A mid-rollout fault strikes only once the engine's ``/metrics`` shows it generating requests of that rollout. Every
+rollout must come back whole: its samples in flight on a dead engine generated again elsewhere (re-sent by vime,
+``fault/requeued_samples``, or by vllm-router itself; counted by the engines' ``vllm:request_success_total``), the trained prompts exactly the data source's first ones, each
 sample of its group once, with the fixed response length; the train-rollout log-prob difference stays at the fp32
 level at every step (no sample comes from an engine without the current weights); each replacement joins after a
 weight sync and serves; nothing is left running. About 12 min of CI on a slow 2-core machine (was 6 runs, 20 min).
@@ -151,19 +151,13 @@ class FaultScript(threading.Thread):
                 found[f"http://127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"] = proc.pid
         return found
 
-    def router(self) -> tuple[int, str]:
-        """The router's pid and its Prometheus URL."""
+    def router_pid(self) -> int | None:
+        """The router's pid (vime starts it with ``--prometheus-port``), or None while there is none."""
         for proc in self._marked():
             cmdline = proc.info["cmdline"] or []
             if "--prometheus-port" in cmdline and "--worker-urls" not in cmdline:
-                return proc.pid, f"http://127.0.0.1:{cmdline[cmdline.index('--prometheus-port') + 1]}/metrics"
-        raise RuntimeError("fault script: no router process found")
-
-    def _has_router(self) -> bool:
-        try:
-            return bool(self.router())
-        except RuntimeError:
-            return False
+                return proc.pid
+        return None
 
     def engine_counts(
         self, timeout: float = 5.0, urls: list[str] | None = None
@@ -198,9 +192,9 @@ class FaultScript(threading.Thread):
         # the process scans first, before rollout ``after`` is logged (the rollout to strike starts right then):
         # between seeing its requests run and the kill, every millisecond counts
         self.wait(
-            "the run's two engines and its router", lambda: len(self.engines()) == 2 and self._has_router()
+            "the run's two engines and its router", lambda: len(self.engines()) == 2 and self.router_pid()
         )
-        self._pids, router_pid = self.engines(), self.router()[0]
+        self._pids, router_pid = self.engines(), self.router_pid()
         fault = {"rollout_id": rollout_id, "non_loopback_listeners": non_loopback_listeners(self.marker)}
         self.wait(f"rollout {after} logged", lambda: self.logged(after))
         self._last_counts = {}

@@ -14,6 +14,7 @@ from ray._private import ray_constants
 
 from vime.backends.vllm_utils import control_auth
 from vime.backends.vllm_utils.control_client import EngineGroup
+from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
 from vime.ray.placement_group import bundle_slots, create_placement_groups, num_bundles
 from vime.ray.rollout_batch import RolloutBatch
 from vime.ray.rollout_manager import create_rollout_manager
@@ -23,7 +24,7 @@ from vime.utils.arg_validation import check_run_paths
 from vime.utils.reaper import start_reaper
 from vime.utils.tracking import Tracker
 
-WORKER_EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
+WORKER_EXTENSION = ["--worker-extension-cls", WORKER_EXTENSION_CLS]
 
 
 def run_dir(args: argparse.Namespace) -> Path:
