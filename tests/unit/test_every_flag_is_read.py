@@ -33,6 +33,7 @@ ARGUMENT_MODULES = {
     "vime/utils/refused_flags.py",
     "vime/utils/passthrough_args.py",
     "vime/utils/upstream_parsers.py",
+    "vime/utils/slime_names.py",
 }
 ARGUMENT_PACKAGES = ("vime/utils/flags/",)
 ARGS_NAME = re.compile(r"(?:\w+_)?args$")

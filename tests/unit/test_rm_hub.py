@@ -15,7 +15,7 @@ from vime.rollout import rm_hub
 from vime.rollout.rm_hub import async_rm, batched_async_rm, reward_samples
 from vime.rollout.rm_hub.f1 import f1_score, normalize_answer
 from vime.rollout.rm_hub.gsm8k import compute_gsm8k_reward, extract_final_number, parse_gsm8k_label
-from vime.rollout.rm_hub.math_utils import compute_math_reward, extract_answer, extract_boxed
+from vime.rollout.rm_hub.math_utils import compute_math_reward, extract_boxed, final_answer
 from vime.utils.misc import free_port
 from vime.utils.types import Sample, Status
 
@@ -46,10 +46,10 @@ def test_extract_boxed_handles_nested_braces_and_takes_the_last():
     assert extract_boxed("no box") is None
 
 
-def test_extract_answer_falls_back_to_the_last_answer_line():
-    assert extract_answer("work\nAnswer: 41\nmore work\nAnswer: $42$.") == "42"
-    assert extract_answer(r"Answer: 1" + "\n" + r"so \boxed{2}") == "2"  # boxed wins
-    assert extract_answer("the result is 42") is None
+def test_final_answer_falls_back_to_the_last_answer_line():
+    assert final_answer("work\nAnswer: 41\nmore work\nAnswer: $42$.") == "42"
+    assert final_answer(r"Answer: 1" + "\n" + r"so \boxed{2}") == "2"  # boxed wins
+    assert final_answer("the result is 42") is None
 
 
 @pytest.mark.parametrize(

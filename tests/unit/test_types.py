@@ -95,6 +95,10 @@ def test_from_dict_reads_a_slime_sample():
              "session_id": "s1", "teacher_log_probs": [-0.5], "spec_info": {"spec_accept_token_num": 0}}  # fmt: skip
     sample = Sample.from_dict(slime)
     assert sample.rollout_id == 7 and sample.status == Status.COMPLETED and sample.teacher_log_probs == [-0.5]
-    assert sample.metadata["slime"] == {"session_id": "s1", "spec_info": {"spec_accept_token_num": 0}}
+    assert (
+        sample.session_id == "s1"
+        and sample.spec_info == {"spec_accept_token_num": 0}
+        and sample.metadata == {}
+    )
     with pytest.raises(ValueError, match="unknown Sample fields \\['typo'\\]"):
         Sample.from_dict({"typo": 1})

@@ -1,5 +1,65 @@
-"""The rollout functions' output types where slime plug-ins import them (``slime.rollout.base_types``)."""
+"""The rollout functions' output types where slime plug-ins import them (``slime.rollout.base_types``), and
+:func:`call_rollout_fn`, which takes every return shape slime accepts from a rollout or eval function."""
 
-from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from __future__ import annotations
 
-__all__ = ["RolloutFnEvalOutput", "RolloutFnTrainOutput"]
+from collections.abc import Callable
+from typing import Any
+
+from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
+
+__all__ = ["RolloutFnEvalOutput", "RolloutFnTrainOutput", "call_rollout_fn"]
+
+
+def call_rollout_fn(
+    fn: Callable[..., Any], *args: Any, evaluation: bool, **kwargs: Any
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """Call a rollout (``evaluation=False``) or eval function and return its output as vime's type, as slime does:
+    a bare ``list[list[Sample]]`` becomes ``RolloutFnTrainOutput(samples=...)`` and a bare ``{name: {...}}`` dict
+    ``RolloutFnEvalOutput(data=...)``. A group may nest lists of samples (a generate function that returned several
+    samples for one, e.g. an agent's turns): they are flattened into the group, in order. Anything else raises
+    ``TypeError`` naming the function and what it returned."""
+    output = fn(*args, evaluation=evaluation, **kwargs)
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    if evaluation:
+        if isinstance(output, dict):
+            output = RolloutFnEvalOutput(data=output)
+        if not isinstance(output, RolloutFnEvalOutput):
+            raise TypeError(
+                f"eval function {name} returned {type(output).__name__}; expected RolloutFnEvalOutput or a dict "
+                "{dataset: {'rewards': [...], 'truncated': [...], 'samples': [...]}}"
+            )
+        return output
+    if isinstance(output, list):
+        output = RolloutFnTrainOutput(samples=output)
+    if not isinstance(output, RolloutFnTrainOutput):
+        raise TypeError(
+            f"rollout function {name} returned {type(output).__name__}; expected RolloutFnTrainOutput or a "
+            "list[list[Sample]] (one list per prompt group)"
+        )
+    output.samples = [_flat_group(group, name, i) for i, group in enumerate(output.samples)]
+    return output
+
+
+def _flat_group(group: Any, name: str, position: int) -> list[Sample]:
+    if isinstance(group, Sample):
+        raise TypeError(
+            f"rollout function {name} returned a flat list of samples (item {position} is a Sample); return one "
+            "list per prompt group: list[list[Sample]]"
+        )
+    flat: list[Sample] = []
+    pending = [group]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Sample):
+            flat.append(item)
+        elif isinstance(item, list | tuple):
+            pending.extend(reversed(item))
+        else:
+            raise TypeError(
+                f"rollout function {name}: group {position} holds a {type(item).__name__}; groups hold Samples "
+                "(or lists of them)"
+            )
+    if not flat:
+        raise TypeError(f"rollout function {name}: group {position} has no samples")
+    return flat

@@ -77,7 +77,10 @@ async def evaluate_dataset(args, config: EvalDatasetConfig) -> tuple[dict, dict[
     if config.min_new_tokens:
         params["min_tokens"] = config.min_new_tokens
     groups = await asyncio.gather(
-        *(generate_group(eval_args, group, params) for group in _eval_groups(dataset, config.n_samples))
+        *(
+            generate_group(eval_args, group, params, evaluation=True)
+            for group in _eval_groups(dataset, config.n_samples)
+        )
     )
     samples = [s for group in groups for s in group]
     entry = {

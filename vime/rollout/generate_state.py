@@ -1,7 +1,8 @@
 """What a custom generate function needs besides ``args``: slime's ``GenerateState`` under vime.
 
-``from slime.rollout.sglang_rollout import GenerateState`` becomes ``from vime.rollout.generate_state import
-GenerateState``; ``GenerateState(args)`` inside a generate function returns the rollout's shared state::
+``from slime.rollout.sglang_rollout import GenerateState`` becomes ``from vime.rollout.vllm_rollout import
+GenerateState`` (also importable from here); ``GenerateState(args)`` inside a generate function returns the rollout's
+shared state::
 
     state = GenerateState(args)
     prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -10,24 +11,31 @@ GenerateState``; ``GenerateState(args)`` inside a generate function returns the 
     if state.aborted: ...            # the rollout is aborting in-flight requests (its batch is full)
 
 ``state.sampling_params`` are vime's defaults from the ``--rollout-*`` flags under vLLM's names (``max_tokens``
-where slime's have SGLang's ``max_new_tokens``); a generate function receives its own copy as its third argument.
+where slime's have SGLang's ``max_new_tokens``), readable under SGLang's names too
+(:class:`~vime.utils.sglang_compat.SamplingParams`); a generate function receives its own copy as its third
+argument. ``state.processor`` is the checkpoint's multimodal processor, ``None`` for the text models vime trains.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
 
-from transformers import AutoTokenizer
-
-from vime.rollout.vllm_rollout import RolloutContext, get_context, sampling_params_from_args
+from vime.rollout.vllm_generate import RolloutContext, get_context, sampling_params_from_args
+from vime.utils import processing_utils
+from vime.utils.sglang_compat import SamplingParams
 
 
 @functools.cache
 def load_tokenizer(path: str):
     """The Hugging Face tokenizer of ``path``, loaded once per process."""
-    return AutoTokenizer.from_pretrained(path)
+    return processing_utils.load_tokenizer(path)
+
+
+@functools.cache
+def load_processor(path: str):
+    """The multimodal processor of ``path`` (``None`` for a text model), loaded once per process."""
+    return processing_utils.load_processor(path)
 
 
 class GenerateState:
@@ -47,15 +55,16 @@ class GenerateState:
     def _init(self, args, context: RolloutContext) -> None:
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
+        self.processor = load_processor(args.hf_checkpoint)
         # A bound on whole generate calls (slime holds it around each one); requests themselves are bounded by
         # the rollout's own limit, so holding this while generating cannot deadlock.
         self.semaphore = asyncio.Semaphore(args.rollout_concurrency * max(1, len(context.engine_urls)))
         self._context = context
 
     @property
-    def sampling_params(self) -> dict[str, Any]:
-        """A fresh copy of the ``--rollout-*`` sampling fields (vLLM names)."""
-        return sampling_params_from_args(self.args)
+    def sampling_params(self) -> SamplingParams:
+        """A fresh copy of the ``--rollout-*`` sampling fields (vLLM names, SGLang's as aliases)."""
+        return SamplingParams(sampling_params_from_args(self.args))
 
     @property
     def aborted(self) -> bool:

@@ -25,6 +25,7 @@ from vime.backends.vllm_utils.external_engines import external_engines
 from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
 from vime.backends.vllm_utils.router import RouterProcess, connect_router, register_workers
 from vime.rollout import fully_async_rollout
+from vime.rollout.base_types import call_rollout_fn
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.sample_metrics import sample_metrics
 from vime.rollout.vllm_generate import close_contexts
@@ -190,10 +191,8 @@ class RolloutManager:
             output = load_rollout_data(self.args.load_forge_rollout_data.format(rollout_id=rollout_id))
         else:
             self._state_before = (rollout_id, self._data_state())
-            output = self.rollout_fn(self.args, rollout_id, self.data_source, evaluation=False)
-        if not isinstance(output, RolloutFnTrainOutput):
-            raise TypeError(
-                f"{self.args.rollout_function_path} returned {type(output).__name__}; expected RolloutFnTrainOutput"
+            output = call_rollout_fn(
+                self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False
             )
         samples = [s for group in output.samples for s in group]
         output.metrics = {**(output.metrics or {}), **sample_metrics(self.args, samples)}
@@ -217,9 +216,7 @@ class RolloutManager:
 
     def eval(self, rollout_id: int) -> RolloutFnEvalOutput:
         """Run the eval function over ``--eval-prompt-data`` / ``--eval-config``."""
-        output = self.eval_fn(self.args, rollout_id, self.data_source, evaluation=True)
-        if not isinstance(output, RolloutFnEvalOutput):
-            raise TypeError(f"eval function returned {type(output).__name__}; expected RolloutFnEvalOutput")
+        output = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
         if self.args.custom_eval_rollout_log_function_path:
             log = load_function(
                 self.args.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path"

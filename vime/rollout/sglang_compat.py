@@ -1,159 +1,21 @@
-"""SGLang's native ``/generate`` for plug-ins written for slime, answered by vLLM's token-in/token-out completions.
+"""Where vime's own ported examples found SGLang's ``/generate`` translation: it now lives in
+:mod:`vime.utils.sglang_compat`, and :func:`vime.utils.http_utils.post` (slime's ``post`` after the rename) applies
+it, so ``post`` here is that same function."""
 
-slime's custom generate functions call SGLang's own API through the router::
+from vime.utils.http_utils import post
+from vime.utils.sglang_compat import (
+    SamplingParams,
+    is_generate_url,
+    sglang_output,
+    vllm_request,
+    vllm_sampling_fields,
+)
 
-    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
-    output = await post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 64, ...},
-                              "return_logprob": True})
-    output["text"], output["meta_info"]["output_token_logprobs"]    # [(log_prob, token_id, None), ...]
-    output["meta_info"]["finish_reason"]["type"]                    # "stop" | "length" | "abort"
-
-vLLM has no such route. Ported to vime, such a plug-in imports ``post`` from this module instead of
-``slime.utils.http_utils`` (and reads ``args.vllm_router_ip/port``; vime also sets ``args.sglang_router_ip/port``
-to the same address): a POST to a URL whose path ends in ``/generate`` becomes a ``/v1/completions`` request to
-the same host (vime's router spreads it over the engines) and its answer comes back in SGLang's shape; every other
-URL goes to :func:`vime.utils.http_utils.post` unchanged.
-
-Request: ``input_ids`` (token ids) or ``text``, ``sampling_params``, ``return_logprob``, ``logprob_start_len`` (>= 0:
-also the prompt tokens' log-probs, ``meta_info["input_token_logprobs"]``, as slime's OPD teacher call asks), and
-``stream: false``. Sampling fields take SGLang's names (``max_new_tokens`` (default 128, as SGLang),
-``min_new_tokens``, ``no_stop_trim``, ``sampling_seed``, ``regex``, ``json_schema``, ``ebnf``, ...) or vLLM's (what
-vime hands a generate function: ``max_tokens``, ...); where both are given, SGLang's wins. ``no_stop_trim``
-defaults to true (slime's default): the text keeps a matched stop string, as the token ids always do.
-``max_new_tokens: 0`` (score only) is answered by a one-token request whose token is dropped (vLLM needs >= 1).
-Anything else (batches, images, top-log-probs...) is refused with the field's name.
-"""
-
-from __future__ import annotations
-
-import json
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
-
-from vime.utils import http_utils
-
-SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-# SGLang sampling field -> vLLM completions field
-_RENAMED = {
-    "max_new_tokens": "max_tokens",
-    "min_new_tokens": "min_tokens",
-    "no_stop_trim": "include_stop_str_in_output",
-    "sampling_seed": "seed",
-}
-# SGLang constrained decoding -> key of vLLM's ``structured_outputs``
-_STRUCTURED = {"regex": "regex", "json_schema": "json", "ebnf": "grammar"}
-_SAME_NAME = {
-    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "n",
-}  # fmt: skip
-_VLLM_ONLY = {"max_tokens", "min_tokens", "include_stop_str_in_output", "seed", "structured_outputs"}
-_REQUEST_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "stream"}
-
-
-def is_generate_url(url: str) -> bool:
-    """Whether ``url`` is SGLang's native generate route (its path ends in ``/generate``)."""
-    return urlsplit(url).path.rstrip("/").endswith("/generate")
-
-
-async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
-    """``slime.utils.http_utils.post`` for ported plug-ins: SGLang ``/generate`` requests are answered by vLLM (see
-    the module docstring); any other URL is an ordinary JSON POST (:func:`vime.utils.http_utils.post`)."""
-    if not is_generate_url(url):
-        return await http_utils.post(url, payload, max_retries, headers)
-    request, score_only = vllm_request(payload or {})
-    parts = urlsplit(url)
-    path = parts.path.rstrip("/").removesuffix("/generate") + "/v1/completions"
-    target = urlunsplit((parts.scheme, parts.netloc, path, "", ""))
-    response = await http_utils.post(target, request, max_retries, headers)
-    outputs = [sglang_output(response, choice, payload or {}, score_only) for choice in response["choices"]]
-    return outputs[0] if len(outputs) == 1 else outputs
-
-
-def vllm_sampling_fields(sampling_params: dict[str, Any]) -> dict[str, Any]:
-    """SGLang (or vLLM) sampling fields as vLLM completion-request fields."""
-    unknown = set(sampling_params) - _SAME_NAME - _VLLM_ONLY - set(_RENAMED) - set(_STRUCTURED)
-    if unknown:
-        raise ValueError(
-            f"SGLang sampling_params {sorted(unknown)} have no vLLM equivalent here; supported: "
-            f"{sorted(_SAME_NAME | set(_RENAMED) | set(_STRUCTURED))} (or vLLM's {sorted(_VLLM_ONLY)})"
-        )
-    fields = {k: v for k, v in sampling_params.items() if k in _SAME_NAME | _VLLM_ONLY and v is not None}
-    fields.setdefault("max_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS)
-    fields.setdefault("include_stop_str_in_output", True)
-    for sglang_name, vllm_name in _RENAMED.items():
-        if sampling_params.get(sglang_name) is not None:
-            fields[vllm_name] = sampling_params[sglang_name]
-    structured = dict(fields.pop("structured_outputs", None) or {})
-    for sglang_name, vllm_name in _STRUCTURED.items():
-        value = sampling_params.get(sglang_name)
-        if value is not None:
-            structured[vllm_name] = json.loads(value) if sglang_name == "json_schema" else value
-    if structured:
-        fields["structured_outputs"] = structured
-    return fields
-
-
-def vllm_request(payload: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The ``/v1/completions`` body for an SGLang ``/generate`` payload, and whether it only scores the input
-    (``max_new_tokens: 0``)."""
-    unknown = set(payload) - _REQUEST_KEYS
-    if unknown:
-        raise ValueError(
-            f"SGLang /generate fields {sorted(unknown)} are not supported by vime's vLLM translation; supported: "
-            f"{sorted(_REQUEST_KEYS)}"
-        )
-    if payload.get("stream"):
-        raise ValueError("SGLang /generate with stream=true: vime answers whole responses only")
-    if ("input_ids" in payload) == ("text" in payload):
-        raise ValueError("an SGLang /generate payload needs exactly one of input_ids and text")
-    prompt = payload.get("input_ids", payload.get("text"))
-    one_prompt = isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-    )
-    if not one_prompt:
-        raise ValueError(
-            "SGLang /generate: give one prompt (a list of token ids or a string); batches are refused"
-        )
-    request = vllm_sampling_fields(payload.get("sampling_params") or {})
-    score_only = request["max_tokens"] == 0
-    if score_only:
-        request["max_tokens"] = 1
-    request.update(prompt=prompt, return_token_ids=True, return_tokens_as_token_ids=True)
-    if payload.get("return_logprob"):
-        request["logprobs"] = 0
-        if payload.get("logprob_start_len", -1) >= 0:  # SGLang's -1: output tokens only
-            request["prompt_logprobs"] = 0
-    return request, score_only
-
-
-def sglang_output(
-    response: dict[str, Any], choice: dict[str, Any], payload: dict[str, Any], score_only: bool
-) -> dict[str, Any]:
-    """One vLLM completion choice in SGLang's ``/generate`` answer shape."""
-    token_ids = [] if score_only else list(choice.get("token_ids") or [])
-    prompt_ids = list(choice.get("prompt_token_ids") or payload.get("input_ids") or [])
-    finish = {"type": "length" if score_only else choice.get("finish_reason")}
-    if choice.get("stop_reason") is not None and not score_only:
-        finish["matched"] = choice["stop_reason"]
-    meta: dict[str, Any] = {
-        "id": response.get("id"),
-        "finish_reason": finish,
-        "prompt_tokens": len(prompt_ids),
-        "completion_tokens": len(token_ids),
-    }
-    if payload.get("return_logprob"):
-        log_probs = [] if score_only else (choice.get("logprobs") or {}).get("token_logprobs") or []
-        if len(log_probs) != len(token_ids):
-            raise ValueError(f"vLLM returned {len(token_ids)} tokens but {len(log_probs)} log-probs")
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(log_probs, token_ids, strict=True)]
-        if choice.get("prompt_logprobs") is not None:
-            start = payload["logprob_start_len"]
-            meta["input_token_logprobs"] = [
-                [(entry or {}).get(str(t), {}).get("logprob"), t, None]
-                for entry, t in zip(choice["prompt_logprobs"][start:], prompt_ids[start:], strict=True)
-            ]
-    return {
-        "text": "" if score_only else choice.get("text") or "",
-        "output_ids": token_ids,
-        "meta_info": meta,
-    }
+__all__ = [
+    "SamplingParams",
+    "is_generate_url",
+    "post",
+    "sglang_output",
+    "vllm_request",
+    "vllm_sampling_fields",
+]

@@ -33,6 +33,7 @@ from vime.backends.vllm_utils.router import RouterError, list_workers
 from vime.rollout.rm_hub import reward_samples
 from vime.utils import http_utils
 from vime.utils.misc import load_function
+from vime.utils.sglang_compat import SamplingParams
 from vime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -434,24 +435,40 @@ def reset_to_prompt(sample: Sample) -> Sample:
 
 
 async def generate_group(
-    args, group: list[Sample], sampling_params: dict[str, Any], rollout_id: int | None = None
+    args,
+    group: list[Sample],
+    sampling_params: dict[str, Any],
+    rollout_id: int | None = None,
+    evaluation: bool = False,
 ) -> list[Sample]:
     """Generate every sample of a group (one ``n``-sample request when the group is fresh and no custom generate
-    function is set), then reward it (unless the group was aborted)."""
-    if args.custom_generate_function_path:
-        generate_fn = load_function(args.custom_generate_function_path, "--custom-generate-function-path")
-    elif is_fresh_group(group):
-        return await _rewarded(
-            args, await generate_fresh_group(args, group, dict(sampling_params)), rollout_id
-        )
-    else:
-        generate_fn = generate
+    function is set), then reward it (unless the group was aborted). A generate function that returns several
+    samples for one (an agent's turns) has them all in the returned group."""
+    custom = args.custom_generate_function_path or any(s.generate_function_path for s in group)
+    if not custom and is_fresh_group(group):
+        samples = await generate_fresh_group(args, group, dict(sampling_params))
+        return await _rewarded(args, samples, rollout_id, evaluation)
     if getattr(args, "mask_offpolicy_in_partial_rollout", False):
         for sample in group:
             mask_previous_response(sample)
-    outputs = await asyncio.gather(*(generate_fn(args, sample, dict(sampling_params)) for sample in group))
+    outputs = await asyncio.gather(
+        *(generate_one(args, sample, sampling_params, evaluation) for sample in group)
+    )
     samples = [s for out in outputs for s in (out if isinstance(out, list) else [out])]
-    return await _rewarded(args, samples, rollout_id)
+    return await _rewarded(args, samples, rollout_id, evaluation)
+
+
+async def generate_one(
+    args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
+) -> Sample | list[Sample]:
+    """One sample through its generate function: the sample's own ``generate_function_path`` (slime's per-dataset
+    eval setting), else ``--custom-generate-function-path``, else :func:`generate`. The function gets its own copy
+    of ``sampling_params`` (readable under SGLang's names too, :class:`~vime.utils.sglang_compat.SamplingParams`),
+    and ``evaluation=`` if its signature takes it (as slime passes it)."""
+    path = sample.generate_function_path or args.custom_generate_function_path
+    generate_fn = load_function(path, "--custom-generate-function-path") if path else generate
+    kwargs = {"evaluation": evaluation} if "evaluation" in inspect.signature(generate_fn).parameters else {}
+    return await generate_fn(args, sample, SamplingParams(sampling_params), **kwargs)
 
 
 def mask_previous_response(sample: Sample) -> None:
@@ -461,19 +478,52 @@ def mask_previous_response(sample: Sample) -> None:
         sample.loss_mask = [0] * sample.response_length
 
 
-async def _rewarded(args, samples: list[Sample], rollout_id: int | None = None) -> list[Sample]:
+async def _rewarded(
+    args, samples: list[Sample], rollout_id: int | None = None, evaluation: bool = False, reward: bool = True
+) -> list[Sample]:
     """Reward the samples of a group, unless the group was aborted (it goes back to the buffer); first each
     ``--rollout-sample-hook-path`` hook (slime: ``hook(args, sample, *, rollout_id, evaluation)``, sync or async,
     returning a replacement Sample or None to keep the one it may have changed). As in slime, a sample whose reward
-    a custom generate function already set (e.g. a multi-agent system scoring its agents) keeps it."""
+    a custom generate function already set (e.g. a multi-agent system scoring its agents) keeps it. ``reward=False``:
+    the hooks only."""
     if any(s.status == Status.ABORTED for s in samples):
         return samples
     for path in getattr(args, "rollout_sample_hook_path", None) or []:
         hook = load_function(path, "--rollout-sample-hook-path")
         for i, sample in enumerate(samples):
-            out = hook(args, sample, rollout_id=rollout_id, evaluation=False)
+            out = hook(args, sample, rollout_id=rollout_id, evaluation=evaluation)
             if inspect.isawaitable(out):
                 out = await out
             samples[i] = out if out is not None else sample
-    await reward_samples(args, [s for s in samples if s.reward is None])
+    if reward:
+        await reward_samples(args, [s for s in samples if s.reward is None])
     return samples
+
+
+async def generate_and_rm(
+    args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
+) -> Sample | list[Sample]:
+    """slime's per-sample step (``sglang_rollout.generate_and_rm``): generate one sample with its generate function
+    (:func:`generate_one`) and reward what it returns (one sample or several), except with ``--group-rm`` (the group
+    is rewarded together). A sample already COMPLETED or TRUNCATED comes back as it is; while the rollout aborts,
+    a sample is marked ABORTED without a request."""
+    if sample.status in (Status.COMPLETED, Status.TRUNCATED):
+        return sample
+    if get_context(args).aborting:
+        sample.status = Status.ABORTED
+        return sample
+    if args.partial_rollout and args.mask_offpolicy_in_partial_rollout:
+        mask_previous_response(sample)
+    out = await generate_one(args, sample, sampling_params, evaluation)
+    await _rewarded(args, out if isinstance(out, list) else [out], None, evaluation, reward=not args.group_rm)
+    return out
+
+
+async def generate_and_rm_group(
+    args, group: list[Sample], sampling_params: dict[str, Any], evaluation: bool = False
+) -> list[Sample]:
+    """slime's per-group step (``sglang_rollout.generate_and_rm_group``): generate and reward a group
+    (:func:`generate_group`); a group submitted while the rollout aborts comes back untouched."""
+    if get_context(args).aborting:
+        return group
+    return await generate_group(args, group, sampling_params, evaluation=evaluation)

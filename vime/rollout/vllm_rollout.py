@@ -7,7 +7,9 @@ Aborted and surplus groups go back to the data buffer: with ``--partial-rollout`
 otherwise reset to their prompts, so no prompt is silently skipped.
 
 Per-sample and per-group generation lives in ``vime.rollout.vllm_generate``; its plug-in API (``generate``,
-``append_response``, ``get_context``, ...) is re-exported here, where slime's plug-ins find ``sglang_rollout``'s.
+``generate_and_rm``, ``generate_and_rm_group``, ``append_response``, ``get_context``, ...) and
+:class:`~vime.rollout.generate_state.GenerateState` are re-exported here, where slime's plug-ins find
+``sglang_rollout``'s (``slime.rollout.sglang_rollout`` → ``vime.rollout.vllm_rollout``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from vime.rollout.eval_metrics import pass_rates
 from vime.rollout.eval_rollout import run_eval
 from vime.rollout.filter_hub.base_types import DynamicFilterOutput
+from vime.rollout.generate_state import GenerateState
 from vime.rollout.vllm_generate import (
     RolloutContext,
     RolloutError,
@@ -28,6 +31,8 @@ from vime.rollout.vllm_generate import (
     append_response,
     close_contexts,
     generate,
+    generate_and_rm,
+    generate_and_rm_group,
     generate_group,
     get_context,
     get_model_url,
@@ -39,13 +44,16 @@ from vime.utils.async_utils import run
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnTrainOutput, Sample, Status
 
-__all__ = [  # the generation API plug-ins import from here (defined in vime.rollout.vllm_generate)
+__all__ = [  # the generation API plug-ins import from here (defined in vime.rollout.vllm_generate, generate_state)
+    "GenerateState",
     "RolloutContext",
     "RolloutError",
     "SampleGenerationError",
     "append_response",
     "close_contexts",
     "generate",
+    "generate_and_rm",
+    "generate_and_rm_group",
     "generate_group",
     "generate_rollout",
     "get_context",

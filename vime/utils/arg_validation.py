@@ -14,6 +14,7 @@ import yaml
 from vime.utils.backend_flags import check_backend_flags
 from vime.utils.eval_config import load_eval_configs
 from vime.utils.rm_types import check_rm_type
+from vime.utils.slime_names import set_slime_names
 from vime.utils.vllm_config import check_external_engines, check_vllm_config
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def finalize_args(args: argparse.Namespace) -> None:
     _check_backend(args)
     _check_fully_async(args)
     _check_slime_flags(args)
+    set_slime_names(args)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:

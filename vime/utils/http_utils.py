@@ -1,6 +1,7 @@
 """The HTTP helpers slime plug-ins import (``from slime.utils.http_utils import post`` becomes
 ``from vime.utils.http_utils import post``): JSON ``post`` with retries and ``get``, over one shared aiohttp
-session per event loop, never through an HTTP proxy (the calls stay inside the cluster)."""
+session per event loop, never through an HTTP proxy (the calls stay inside the cluster). An SGLang ``/generate``
+request is answered by vLLM (:mod:`vime.utils.sglang_compat`); :func:`get_rollout_num_engines` is slime's."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import asyncio
 import json
 import logging
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
+
+from vime.utils import sglang_compat
 
 logger = logging.getLogger(__name__)
 _sessions: dict[int, aiohttp.ClientSession] = {}
@@ -46,7 +48,22 @@ class RequestRefusedError(aiohttp.ClientResponseError):
 async def post(url: str, payload: dict | None, max_retries: int = 60, headers: dict | None = None) -> Any:
     """POST ``payload`` as JSON; the decoded JSON answer (text if it is not JSON). Connection errors, server errors
     (5xx), 408 and 429 are retried once a second, up to ``max_retries`` attempts, and the last error is raised;
-    other client errors (4xx) raise :class:`RequestRefusedError` at once."""
+    other client errors (4xx) raise :class:`RequestRefusedError` at once.
+
+    An SGLang ``/generate`` request (the URL's path ends in ``/generate`` and the body has ``input_ids`` or
+    ``text``), as slime's plug-ins send to the router, goes to ``/v1/completions`` on the same host and its answer
+    comes back in SGLang's shape (:mod:`vime.utils.sglang_compat`); with ``n`` > 1, a list of answers."""
+    if not sglang_compat.is_sglang_generate(url, payload):
+        return await _post_json(url, payload, max_retries, headers)
+    request, score_only = sglang_compat.vllm_request(payload)
+    response = await _post_json(sglang_compat.completions_url(url), request, max_retries, headers)
+    outputs = [
+        sglang_compat.sglang_output(response, choice, payload, score_only) for choice in response["choices"]
+    ]
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+async def _post_json(url: str, payload: dict | None, max_retries: int, headers: dict | None) -> Any:
     for attempt in range(1, max_retries + 1):
         try:
             async with _session().post(url, json=payload or {}, headers=headers) as response:
@@ -54,15 +71,6 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
                 if response.status >= 400:
                     message = body[:300].decode(errors="replace")
                     refused = 400 <= response.status < 500 and response.status not in _RETRIED_CLIENT_ERRORS
-                    if (
-                        refused
-                        and response.status == 404
-                        and urlsplit(url).path.rstrip("/").endswith("/generate")
-                    ):
-                        message += (
-                            " -- vLLM serves no SGLang /generate route: a plug-in ported from slime imports post "
-                            "from vime.rollout.sglang_compat, which translates it"
-                        )
                     error = RequestRefusedError if refused else aiohttp.ClientResponseError
                     raise error(response.request_info, (), status=response.status, message=message)
                 return _decode(body)
@@ -74,6 +82,20 @@ async def post(url: str, payload: dict | None, max_retries: int = 60, headers: d
             logger.info("POST %s failed (%s); retry %d of %d", url, exc, attempt, max_retries - 1)
             await asyncio.sleep(1)
     raise ValueError(f"max_retries must be >= 1, not {max_retries}")
+
+
+def get_rollout_num_engines(args) -> int:
+    """How many policy engines serve the rollout (slime's helper, e.g. for ``--sglang-server-concurrency`` times
+    engines): the live engines once the rollout manager started them, else what the flags give
+    (``--rollout-external-engine-addrs``, or ``--rollout-num-gpus`` / ``--rollout-num-gpus-per-engine``)."""
+    urls = getattr(args, "rollout_engine_urls", None)  # runtime: set by the rollout manager
+    if urls:
+        return len(urls)
+    if args.rollout_external_engine_addrs:
+        return len(args.rollout_external_engine_addrs)
+    if not args.rollout_num_gpus:
+        return 0
+    return max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
 
 
 async def close_session() -> None:

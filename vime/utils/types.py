@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -31,12 +31,23 @@ class Status(StrEnum):
         return mapping[finish_reason]
 
 
-# Fields of slime's Sample that vime does not use; ``Sample.from_dict`` keeps them in ``metadata["slime"]``.
-SLIME_ONLY_FIELDS = (
-    "multimodal_inputs", "multimodal_train_inputs", "multimodal_train_input_id", "apply_chat_template_kwargs",
-    "rollout_top_p_token_ids", "rollout_top_p_token_offsets",
-    "generate_function_path", "custom_rm_path", "session_id", "spec_info", "prefix_cache_info",
-)  # fmt: skip
+# Fields of slime's Sample that vime does not use, with slime's defaults. A Sample answers to them as attributes
+# (the default until one is set), and ``to_dict``/``from_dict`` carry the ones set, so slime's dict shape
+# round-trips and slime plug-ins can read and write them.
+SLIME_ONLY_FIELDS: dict[str, Callable[[], Any]] = {
+    "multimodal_inputs": lambda: None,
+    "multimodal_train_inputs": lambda: None,
+    "multimodal_train_input_id": lambda: None,
+    "apply_chat_template_kwargs": dict,
+    "rollout_top_p_token_ids": lambda: None,
+    "rollout_top_p_token_offsets": lambda: None,
+    "generate_function_path": lambda: None,
+    "custom_rm_path": lambda: None,
+    "session_id": lambda: None,
+    "non_generation_time": lambda: 0.0,
+    "spec_info": lambda: None,
+    "prefix_cache_info": lambda: None,
+}
 
 
 @dataclass
@@ -77,6 +88,16 @@ class Sample:
     train_metadata: dict[str, Any] | None = None
     # not part of ==: numpy arrays do not compare to one bool (compare them with np.array_equal)
     rollout_routed_experts: np.ndarray | None = field(default=None, compare=False)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when normal lookup fails: a slime-only field never set on this sample
+        factory = SLIME_ONLY_FIELDS.get(name)
+        if factory is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = factory()
+        if isinstance(value, dict):  # a mutable default: keep what the caller changes in it
+            setattr(self, name, value)
+        return value
 
     @property
     def prompt_length(self) -> int:
@@ -150,8 +171,10 @@ class Sample:
         self.failure_reason = reason
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (status as its string value, routed experts as base64 ``.npy``)."""
+        """A JSON-serialisable dict (status as its string value, routed experts as base64 ``.npy``), with the
+        slime-only fields that were set on this sample."""
         data = dataclasses.asdict(self)
+        data.update({k: v for k, v in vars(self).items() if k in SLIME_ONLY_FIELDS})
         data["status"] = self.status.value
         if self.rollout_routed_experts is not None:
             data["rollout_routed_experts"] = routed_experts.encode(self.rollout_routed_experts)
@@ -159,20 +182,22 @@ class Sample:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
-        """Inverse of :meth:`to_dict`, also reading slime's ``Sample.to_dict`` (its fields vime has no use for go
-        to ``metadata["slime"]``; its routed experts as nested lists or a tensor); other unknown keys raise so
-        that mismatched files are noticed."""
+        """Inverse of :meth:`to_dict`, also reading slime's ``Sample.to_dict`` (its fields vime has no use for are
+        kept as attributes and written back by :meth:`to_dict`; its routed experts as nested lists or a tensor);
+        other unknown keys raise so that mismatched files are noticed."""
         known = {f.name for f in dataclasses.fields(cls)}
-        slime_only = {k: v for k, v in data.items() if k in SLIME_ONLY_FIELDS}
-        unknown = set(data) - known - set(slime_only)
+        unknown = set(data) - known - set(SLIME_ONLY_FIELDS)
         if unknown:
-            raise ValueError(f"unknown Sample fields {sorted(unknown)}; known fields are {sorted(known)}")
-        data = {k: v for k, v in data.items() if k in known}
-        data["status"] = Status(data.get("status", Status.PENDING.value))
-        data["rollout_routed_experts"] = routed_experts.decode(data.get("rollout_routed_experts"))
-        sample = cls(**data)
-        if slime_only:
-            sample.metadata = {**(sample.metadata or {}), "slime": slime_only}
+            raise ValueError(
+                f"unknown Sample fields {sorted(unknown)}; known fields are {sorted(known)} and slime's "
+                f"{sorted(SLIME_ONLY_FIELDS)}"
+            )
+        fields = {k: v for k, v in data.items() if k in known}
+        fields["status"] = Status(fields.get("status", Status.PENDING.value))
+        fields["rollout_routed_experts"] = routed_experts.decode(fields.get("rollout_routed_experts"))
+        sample = cls(**fields)
+        for key in data.keys() & SLIME_ONLY_FIELDS.keys():
+            setattr(sample, key, data[key])
         return sample
 
 

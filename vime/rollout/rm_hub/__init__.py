@@ -23,13 +23,14 @@ from vime.rollout.rm_hub.exact import compute_exact_reward
 from vime.rollout.rm_hub.f1 import compute_f1_reward
 from vime.rollout.rm_hub.gpqa import compute_gpqa_reward
 from vime.rollout.rm_hub.gsm8k import compute_gsm8k_reward
-from vime.rollout.rm_hub.math_utils import compute_math_reward, extract_boxed
+from vime.rollout.rm_hub.math_utils import compute_math_reward, extract_boxed, grade_answer_verl
 from vime.rollout.rm_hub.remote import remote_rm
 from vime.utils.misc import load_function
 from vime.utils.rm_types import RM_TYPES, check_rm_type
 from vime.utils.types import Sample, Status
 
-__all__ = ["RM_TYPES", "async_rm", "batched_async_rm", "check_rm_type", "reward_samples"]
+# grade_answer_verl: slime's plug-ins import it from here (``from slime.rollout.rm_hub import grade_answer_verl``)
+__all__ = ["RM_TYPES", "async_rm", "batched_async_rm", "check_rm_type", "grade_answer_verl", "reward_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,12 @@ _RULE_BASED: dict[str, Callable[[str, Any, dict], float | dict]] = {
 
 
 async def async_rm(args: Any, sample: Sample, **kwargs: Any) -> float | dict[str, Any]:
-    """The built-in reward for one sample: its ``metadata["rm_type"]`` or ``--rm-type``; unknown names raise
-    ``ValueError``."""
+    """One sample's reward, as slime's: the sample's own ``custom_rm_path`` (slime's per-dataset eval setting), else
+    ``--custom-rm-path``, else the built-in named by its ``metadata["rm_type"]`` or ``--rm-type`` (unknown names
+    raise ``ValueError``)."""
+    custom_path = sample.custom_rm_path or args.custom_rm_path
+    if custom_path:
+        return await load_function(custom_path, "--custom-rm-path")(args, sample, **kwargs)
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
     rm_type = check_rm_type(metadata.get("rm_type") or getattr(args, "rm_type", None))
     if rm_type == "remote_rm":
@@ -60,8 +65,15 @@ async def async_rm(args: Any, sample: Sample, **kwargs: Any) -> float | dict[str
 
 
 async def batched_async_rm(args: Any, samples: list[Sample], **kwargs: Any) -> list[float | dict[str, Any]]:
-    """:func:`async_rm` for every sample, concurrently; the first exception propagates."""
+    """The rewards of ``samples``, as slime's: ``--custom-rm-path`` called once with the list (a group reward
+    function), else :func:`async_rm` for every sample, concurrently; the first exception propagates."""
+    if args.custom_rm_path:
+        return await load_function(args.custom_rm_path, "--custom-rm-path")(args, samples, **kwargs)
     return list(await asyncio.gather(*(async_rm(args, sample, **kwargs) for sample in samples)))
+
+
+async def _builtin_group_rm(args: Any, samples: list[Sample]) -> list[float | dict[str, Any]]:
+    return list(await asyncio.gather(*(async_rm(args, sample) for sample in samples)))
 
 
 async def reward_samples(args: Any, samples: list[Sample]) -> int:
@@ -83,7 +95,7 @@ async def reward_samples(args: Any, samples: list[Sample]) -> int:
         rm_fn = load_function(custom_path, "--custom-rm-path")
         source = f"--custom-rm-path {custom_path}"
     else:
-        rm_fn = batched_async_rm if group_rm else async_rm
+        rm_fn = _builtin_group_rm if group_rm else async_rm
         source = f"--rm-type {getattr(args, 'rm_type', None)}"
         for sample in todo:  # a wrong name is the run's configuration, not a sample's failure: stop here
             metadata = sample.metadata if isinstance(sample.metadata, dict) else {}

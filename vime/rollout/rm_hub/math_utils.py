@@ -1,6 +1,8 @@
 """``--rm-type math``: extract the final answer and compare it to the label with math-verify.
 
 Equivalence is symbolic, not textual: ``\\frac{1}{2}`` == ``0.5`` == ``1/2``, ``2\\sqrt{2}`` == ``\\sqrt{8}``.
+slime's plug-ins import two helpers from here: :func:`extract_answer` (the last ``\\boxed{}``'s content) and
+:func:`grade_answer_verl` (is the boxed answer equal to the label), both over vime's extraction and math-verify.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str) -> str | None:
+def final_answer(text: str) -> str | None:
     """The final answer: the last ``\\boxed{...}``, else the text after the last line starting ``Answer:``."""
     boxed = extract_boxed(text)
     if boxed is not None:
@@ -70,8 +72,30 @@ def compute_math_reward(response: str, label: Any) -> float:
     """
     if label is None:
         raise ValueError("rm_type 'math' needs a label; the sample's label is None (check --label-key)")
-    answer = extract_answer(response)
+    answer = final_answer(response)
     return 0.0 if answer is None else float(answers_equal(answer, label))
+
+
+def extract_answer(passage: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``passage``, ``None`` without one (slime's
+    ``math_utils.extract_answer``; unlike :func:`final_answer`, no ``Answer:`` line is read)."""
+    return extract_boxed(passage) if "\\boxed" in passage else None
+
+
+def grade_answer_verl(solution_str: str, ground_truth: Any) -> bool:
+    """Whether the last ``\\boxed{...}`` of ``solution_str`` is mathematically equal to ``ground_truth`` (itself
+    boxed or bare), slime's grader: ``False`` without a boxed answer or with an empty ground truth. Equality is
+    math-verify's (:func:`answers_equal`), where slime normalises strings and asks sympy; the two can disagree on
+    edge cases (slime calls an unreduced fraction wrong)."""
+    if not ground_truth:
+        return False
+    ground_truth = str(ground_truth)
+    if "\\boxed" in ground_truth:
+        ground_truth = extract_answer(ground_truth)
+    given = extract_answer(solution_str)
+    if given is None or not ground_truth:
+        return False
+    return answers_equal(given, ground_truth)
 
 
 def answers_equal(answer: str, label: Any) -> bool:

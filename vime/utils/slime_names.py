@@ -1,0 +1,26 @@
+"""slime's ``sglang_*`` argument names that plug-ins read, set at parse time from the vLLM settings they mean.
+
+A plug-in written for slime reads ``args.sglang_server_concurrency`` (its in-flight bound per engine),
+``args.sglang_router_ip``/``port`` (where ``/generate`` requests go) or
+``args.sglang_enable_deterministic_inference``; after parsing, each holds the value of vime's flag with that
+meaning. The router's address is known here only with ``--vllm-router-ip``/``--vllm-router-port``; otherwise the
+rollout manager sets both names once its router is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# slime's name -> the vime flag destination with its meaning
+SLIME_ARG_ALIASES = {
+    "sglang_server_concurrency": "rollout_concurrency",
+    "sglang_router_ip": "vllm_router_ip",
+    "sglang_router_port": "vllm_router_port",
+    "sglang_enable_deterministic_inference": "rollout_sample_seeds",
+}
+
+
+def set_slime_names(args: argparse.Namespace) -> None:
+    """Give every name of :data:`SLIME_ARG_ALIASES` the value of its vime flag."""
+    for slime_name, dest in SLIME_ARG_ALIASES.items():
+        setattr(args, slime_name, getattr(args, dest))
