@@ -327,3 +327,16 @@ def test_slimes_sglang_arg_names_hold_the_vllm_settings_after_parsing(model_dir)
     assert args.sglang_enable_deterministic_inference is True
     plain = _args(model_dir)
     assert plain.sglang_router_ip is None and plain.sglang_server_concurrency == 3
+
+
+def test_append_response_tokens_grows_the_lists_a_plug_in_holds():
+    sample = Sample(tokens=[1, 2], loss_mask=[], rollout_log_probs=None)
+    loss_masks = sample.loss_mask  # retool keeps this alias and assigns it back at the end
+    sample.append_response_tokens(tokens=[3, 4], log_probs=[-0.1, -0.2])
+    sample.append_response_tokens(tokens=[5], trainable=False)
+    sample.loss_mask = loss_masks
+    assert sample.loss_mask == [1, 1, 0] and sample.rollout_log_probs == [-0.1, -0.2, 0.0]
+    assert sample.tokens == [1, 2, 3, 4, 5] and sample.response_length == 3
+    broken = Sample(tokens=[1, 2], response_length=1, loss_mask=[])
+    with pytest.raises(ValueError, match="loss_mask has 0 entries for a response of 1 tokens"):
+        broken.append_response_tokens(tokens=[3], log_probs=[-0.1])

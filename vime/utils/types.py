@@ -153,9 +153,20 @@ class Sample:
         )
         if len(log_probs) != len(tokens):
             raise ValueError(f"{len(log_probs)} log-probs for {len(tokens)} tokens")
+        if self.loss_mask is None:
+            self.loss_mask = [1] * self.response_length
+        if self.rollout_log_probs is None:
+            self.rollout_log_probs = [0.0] * self.response_length
+        for name in ("loss_mask", "rollout_log_probs"):
+            if len(getattr(self, name)) != self.response_length:
+                raise ValueError(
+                    f"sample {self.index}: {name} has {len(getattr(self, name))} entries for a response of "
+                    f"{self.response_length} tokens; set it to None (or one entry per response token) first"
+                )
         self.tokens = self.tokens + tokens
-        self.loss_mask = (self.loss_mask or [1] * self.response_length) + [int(trainable)] * len(tokens)
-        self.rollout_log_probs = (self.rollout_log_probs or [0.0] * self.response_length) + log_probs
+        # in place, as slime's: a plug-in holding the list (retool's ``loss_masks = sample.loss_mask``) sees it grow
+        self.loss_mask += [int(trainable)] * len(tokens)
+        self.rollout_log_probs += log_probs
         self.response_length += len(tokens)
         if text is not None:
             self.response += text
