@@ -340,3 +340,32 @@ def test_append_response_tokens_grows_the_lists_a_plug_in_holds():
     broken = Sample(tokens=[1, 2], response_length=1, loss_mask=[])
     with pytest.raises(ValueError, match="loss_mask has 0 entries for a response of 1 tokens"):
         broken.append_response_tokens(tokens=[3], log_probs=[-0.1])
+
+
+# ---------------------------------------------------------------------- slime.utils.external_utils.command_utils
+def test_execute_train_runs_the_train_script_with_the_models_args(tmp_path, capsys):
+    from vime.utils.external_utils.command_utils import ExecuteTrainConfig, execute_train
+
+    script = tmp_path / "fake_train.py"
+    out = tmp_path / "argv.json"
+    script.write_text(
+        "import json, os, sys\n"
+        f"json.dump([sys.argv[1:], os.environ['A'], os.environ['B']], open({str(out)!r}, 'w'))\n"
+    )
+    called = []
+    execute_train(
+        train_args="--num-rollout 2 --colocate",
+        num_gpus_per_node=1,
+        megatron_model_type="qwen3-0.6B",
+        train_script=str(script),
+        before_ray_job_submit=lambda: called.append(1),
+        extra_env_vars={"A": "x y"},
+        config=ExecuteTrainConfig(extra_env_vars="B=2"),
+    )
+    argv, a, b = json.loads(out.read_text())
+    assert called == [1] and (a, b) == ("x y", "2")
+    assert argv[-3:] == ["--num-rollout", "2", "--colocate"] and "--num-layers" in argv  # MODEL_ARGS first
+    with pytest.raises(ValueError, match="no .*nope.sh; model types here: .*qwen3-0.6B"):
+        execute_train("", 1, "nope", train_script=str(script))
+    with pytest.raises(ValueError, match="configure slime's Ray job"):
+        execute_train("", 1, None, train_script=str(script), config=ExecuteTrainConfig(num_nodes=2))
