@@ -2,7 +2,8 @@
 
 Flags follow slime's names. ``--vllm-<flag>`` mirrors every flag of the installed vLLM server and
 ``--router-<flag>`` every flag of the installed vllm-router, generated from their own parsers
-(``vime/utils/upstream_parsers.py``); list them with ``--help-vllm`` / ``--help-router``.
+(``vime/utils/upstream_parsers.py``); list them with ``--help-vllm`` / ``--help-router``. slime's ``--sglang-*``
+flags are mapped to the flag with their meaning or refused with the one to use (``vime/utils/sglang_flags.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from vime.utils.flags import VIME_GROUPS
 from vime.utils.megatron_args import add_megatron_arguments
 from vime.utils.passthrough_args import add_passthrough_flags, passthrough_help
 from vime.utils.refused_flags import add_refused_flags
+from vime.utils.sglang_flags import translate_sglang_flags
 from vime.utils.upstream_parsers import (
     VIME_OWNED_ROUTER_FLAGS,
     VIME_OWNED_VLLM_FLAGS,
@@ -44,6 +46,10 @@ class VimeArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(run '{self.prog} --help' for the flags)\n")
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
+        try:  # slime's --sglang-* flags become the vLLM/vime flags they mean, or stop here with the reason
+            args = translate_sglang_flags(sys.argv[1:] if args is None else args)
+        except ValueError as exc:
+            self.error(str(exc))
         parsed, unknown = self.parse_known_args(args, namespace)
         flags = [token for token in unknown if token.startswith("-")]
         if unknown:
