@@ -40,6 +40,9 @@ def _parse_logged(caplog, *flags):
         (["--sglang-ep-size", "4", "--rollout-num-gpus-per-engine", "4", "--rollout-num-gpus", "4"],
          "vllm_enable_expert_parallel", True, "--vllm-enable-expert-parallel"),
         (["--sglang-mem-fraction-static=0.5"], "vllm_gpu_memory_utilization", 0.5, "--vllm-gpu-memory-utilization"),
+        (["--sglang-reasoning-parser", "qwen3"], "vllm_reasoning_parser", "qwen3", "--vllm-reasoning-parser"),
+        (["--sglang-tool-call-parser", "qwen3_coder"], "vllm_tool_call_parser", "qwen3_coder", "--vllm-tool-call-parser"),
+        (["--sglang-tool-call-parser", "qwen25"], "vllm_tool_call_parser", "hermes", "--vllm-tool-call-parser"),
     ],
 )  # fmt: skip
 def test_mapped_sglang_flags_set_the_flag_they_mean(caplog, flags, dest, value, vllm_flag):
@@ -85,6 +88,10 @@ def test_flags_vllm_always_has_map_to_nothing_with_a_line(caplog):
         (["--sglang-attention-backend", "fa3"], "--vllm-attention-backend"),
         (["--sglang-config", "x.yaml"], "--vllm-config"),
         (["--sglang-foo-bar", "1"], "--vllm-<flag> (list them with --help-vllm)"),
+        (
+            ["--sglang-tool-call-parser", "nope"],
+            "vLLM has no tool parser 'nope'; pass vLLM's as --vllm-tool-call-parser",
+        ),
         (["--sglang-ep-size", "8"], "--rollout-num-gpus-per-engine 1"),
         (["--sglang-mem-fraction-static"], "takes one value"),
         (["--sglang-chunked-prefill-size", "big"], "--sglang-chunked-prefill-size big: invalid literal"),

@@ -63,6 +63,40 @@ def _always_on(values: list[str], argv: Sequence[str]) -> list[str]:
     return []
 
 
+# SGLang parser names whose vLLM parser has another name (the same format)
+_PARSER_RENAMES = {"qwen25": "hermes", "deepseek-r1": "deepseek_r1"}
+
+
+def _vllm_parsers(kind: str) -> set[str] | None:
+    """The names of the installed vLLM's reasoning or tool parsers (None when vLLM is not importable)."""
+    try:
+        if kind == "reasoning":
+            from vllm.reasoning import ReasoningParserManager as manager
+        else:
+            try:
+                from vllm.tool_parsers import ToolParserManager as manager
+            except ImportError:  # vLLM before 0.30
+                from vllm.entrypoints.openai.tool_parsers import ToolParserManager as manager
+    except ImportError:
+        return None
+    return set(
+        getattr(manager, "reasoning_parsers", None) or getattr(manager, "tool_parsers", None) or {}
+    ) | set(getattr(manager, "lazy_parsers", None) or {})
+
+
+def _parser(kind: str, flag: str) -> Callable[[list[str], Sequence[str]], list[str]]:
+    def rewrite(values: list[str], argv: Sequence[str]) -> list[str]:
+        name = _PARSER_RENAMES.get(values[0], values[0])
+        known = _vllm_parsers(kind)
+        if known is not None and name not in known:
+            raise ValueError(
+                f"vLLM has no {kind} parser {name!r}; pass vLLM's as {flag} (installed: {', '.join(sorted(known))})"
+            )
+        return [flag, name]
+
+    return rewrite
+
+
 # --sglang-<flag> -> its mapping
 MAPPED: dict[str, Mapping] = {
     "--sglang-mem-fraction-static": Mapping(
@@ -104,6 +138,16 @@ MAPPED: dict[str, Mapping] = {
         note="experts spread over the engine's GPUs",
         rewrite=_expert_parallel,
     ),
+    "--sglang-reasoning-parser": Mapping(
+        "--vllm-reasoning-parser",
+        note="the same format under vLLM's name",
+        rewrite=_parser("reasoning", "--vllm-reasoning-parser"),
+    ),
+    "--sglang-tool-call-parser": Mapping(
+        "--vllm-tool-call-parser",
+        note="the same format under vLLM's name",
+        rewrite=_parser("tool", "--vllm-tool-call-parser"),
+    ),
     "--sglang-enable-metrics": Mapping(
         "(none)", nargs=0, note="vLLM engines always serve Prometheus /metrics", rewrite=_always_on
     ),
@@ -141,10 +185,6 @@ REFUSED: dict[str, str] = {
     "--sglang-speculative-draft-attention-backend": _SPECULATIVE,
     "--sglang-attention-backend": "names an SGLang kernel; vLLM's kernels have other names: pass "
     "--vllm-attention-backend (e.g. FLASH_ATTN, FLASHINFER, TRITON_ATTN)",
-    "--sglang-tool-call-parser": "names an SGLang tool parser; vLLM's have other names: pass --vllm-tool-call-parser "
-    "(e.g. hermes for Qwen3)",
-    "--sglang-reasoning-parser": "names an SGLang reasoning parser; pass vLLM's as --vllm-reasoning-parser "
-    "(e.g. qwen3, deepseek_r1)",
     "--sglang-pp-size": "in vLLM pass --vllm-pipeline-parallel-size (vime sizes an engine by "
     "--rollout-num-gpus-per-engine, which must then be tensor x pipeline parallel)",
     "--sglang-pipeline-parallel-size": "in vLLM pass --vllm-pipeline-parallel-size",
