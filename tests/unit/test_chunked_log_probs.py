@@ -1,15 +1,19 @@
 """``chunked_log_probs``: the same log-probs, entropies and gradients as autograd through ``log_softmax`` (fp64
 reference), whatever the chunking, with vocabulary padding and a temperature, on the whole vocabulary or split over
-two tensor-parallel ranks (gloo); and nothing of size ``[tokens, vocab]`` is kept for backward but the logits."""
+two tensor-parallel ranks (gloo); nothing of size ``[tokens, vocab]`` is kept for backward but the logits, and at any
+moment at most two fp32 ``[chunk, vocab]`` temporaries (and a bool mask with the entropy) are alive."""
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from vime.utils.chunked_log_probs import chunked_log_probs
 
@@ -83,6 +87,55 @@ def test_only_the_logits_are_kept_for_backward():
     assert len(big) == 1 and big[0].data_ptr() == x.data_ptr()  # the logits themselves, no fp32 copy
 
 
+class _LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by the storages that ops allocate while it is on (a storage counts until the
+    last tensor on it dies): CPU's stand-in for ``torch.cuda.max_memory_allocated``."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _free(self, ptr: int) -> None:
+        self.now -= self.live.pop(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {
+            a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            ptr = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else 0
+            if ptr and ptr not in seen and ptr not in self.live:  # a new storage, not an alias of an input
+                self.live[ptr] = t.untyped_storage().nbytes()
+                self.now += self.live[ptr]
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(t, self._free, ptr)
+        return out
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_at_most_two_fp32_chunks_are_alive(with_entropy):
+    """The GPU test's bound (logits + 1 GiB at 8k x 151,936, chunks of 512) in units of one fp32 chunk: each chunk's
+    temporaries are freed before the next chunk's are made (in a loop body they lived on into the next chunk: 3 fp32
+    chunks in the forward, 4.25 in the backward with the entropy, measured on an H200 and here)."""
+    tokens, vocab, chunk = 256, 4096, 32
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(tokens, vocab, generator=g)).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    one_chunk = chunk * vocab * 4
+    with _LiveBytes() as mode:
+        log_probs, entropy = chunked_log_probs(
+            logits, labels, T, with_entropy=with_entropy, entropy_requires_grad=with_entropy, chunk_size=chunk
+        )
+        forward = mode.peak
+        (log_probs.mean() + (entropy.mean() if with_entropy else 0)).backward()
+    # two fp32 chunks, with the entropy a bool one too, and the small per-row vectors
+    bound = (2 + 0.25 * with_entropy + 0.05) * one_chunk
+    assert forward <= bound
+    assert mode.peak - logits.numel() * logits.element_size() <= bound  # beyond the logits' gradient
+
+
 def _tensor_parallel_rank(rank: int, path: str, queue) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     logits, labels, weights = inputs()
@@ -93,7 +146,9 @@ def _tensor_parallel_rank(rank: int, path: str, queue) -> None:
         vocab_start=rank * part, true_vocab_size=TRUE_V, group=dist.group.WORLD,
     )  # fmt: skip
     (weights[0] @ log_probs + weights[1] @ entropy).backward()
-    queue.put((rank, log_probs.detach(), entropy.detach(), x.grad))
+    # numpy arrays travel by value: a tensor would go through shared memory that its sender must outlive (a rank that
+    # exited first failed the test's read with ConnectionResetError under load)
+    queue.put((rank, log_probs.detach().numpy(), entropy.detach().numpy(), x.grad.numpy()))
     dist.destroy_process_group()
 
 
@@ -105,7 +160,7 @@ def test_tensor_parallel_slices_match_the_whole_vocabulary(tmp_path):
     procs = [ctx.Process(target=_tensor_parallel_rank, args=(r, str(tmp_path / "pg"), queue)) for r in (0, 1)]
     for p in procs:
         p.start()
-    results = dict((r, rest) for r, *rest in (queue.get(timeout=120) for _ in procs))
+    results = {r: [torch.from_numpy(a) for a in rest] for r, *rest in (queue.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(60)
         assert p.exitcode == 0

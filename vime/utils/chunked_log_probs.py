@@ -47,6 +47,40 @@ class _Columns:
         return z if self.valid is None else z.masked_fill_(~self.valid, float("-inf"))
 
 
+# One chunk's work is a function of its own so that its fp32 [chunk, V] temporaries (two, and a bool mask with the
+# entropy) are freed when it returns: in a loop body they would stay bound until the next chunk's were allocated,
+# doubling the peak (seen on an H200: 4.25 fp32 chunks in the backward with the entropy instead of 2.25).
+def _forward_chunk(logits, cols: _Columns, rows: slice, temperature: float, group, with_entropy: bool):
+    """The row maxima and the all-reduced ``[sum exp, picked logit, sum exp * shifted]`` of one chunk of rows."""
+    shifted = cols.scaled(logits, temperature)
+    top = _all_reduce(shifted.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    shifted.sub_(top.unsqueeze(-1))
+    exp = shifted.exp()
+    picked = shifted.gather(-1, cols.index[rows]).squeeze(-1)
+    stats = [exp.sum(dim=-1), torch.where(cols.in_slice[rows], picked, 0.0)]
+    if with_entropy:  # sum(exp * shifted) / sum(exp) = sum(p * z) - top; 0 * -inf counts 0
+        stats.append(exp.mul_(shifted.masked_fill_(exp == 0, 0.0)).sum(dim=-1))
+    return top, _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
+
+
+def _backward_chunk(
+    logits, cols: _Columns, rows: slice, temperature, log_norm, entropy, grad_log_probs, grad_entropy
+):
+    """The fp32 gradient of one chunk's logits (in place of one of its temporaries)."""
+    z = cols.scaled(logits, temperature)
+    p = (z - log_norm[rows].unsqueeze(-1)).exp_()
+    # d/dz = onehot(label) * g_lp - p * (g_lp + g_H * (z - sum(p * z))), with sum(p * z) = lse - H
+    g = torch.zeros_like(log_norm[rows]) if grad_log_probs is None else grad_log_probs[rows].float()
+    if grad_entropy is None:
+        coef = g.unsqueeze(-1)
+    else:
+        coef = z.sub_((log_norm[rows] - entropy[rows]).unsqueeze(-1)).masked_fill_(p == 0, 0.0)
+        coef.mul_(grad_entropy[rows].float().unsqueeze(-1)).add_(g.unsqueeze(-1))
+    d = p.mul_(coef).neg_()
+    d.scatter_add_(-1, cols.index[rows], torch.where(cols.in_slice[rows], g, 0.0).unsqueeze(-1))
+    return d.div_(temperature)
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -55,16 +89,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         cols = _Columns(logits, labels, vocab_start, true_vocab_size)
         log_norm = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         log_probs, entropy = torch.empty_like(log_norm), torch.empty_like(log_norm)
-        for rows in _slices(logits.shape[0], chunk_size):  # two fp32 [chunk, V] temporaries
-            shifted = cols.scaled(logits[rows], temperature)
-            top = _all_reduce(shifted.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            shifted.sub_(top.unsqueeze(-1))
-            exp = shifted.exp()
-            picked = shifted.gather(-1, cols.index[rows]).squeeze(-1)
-            stats = [exp.sum(dim=-1), torch.where(cols.in_slice[rows], picked, 0.0)]
-            if with_entropy:  # sum(exp * shifted) / sum(exp) = sum(p * z) - top; 0 * -inf counts 0
-                stats.append(exp.mul_(shifted.masked_fill_(exp == 0, 0.0)).sum(dim=-1))
-            stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
+        for rows in _slices(logits.shape[0], chunk_size):
+            top, stats = _forward_chunk(logits[rows], cols, rows, temperature, group, with_entropy)
             log_sum = stats[0].log()
             log_norm[rows] = top + log_sum
             log_probs[rows] = stats[1] - log_sum
@@ -81,19 +107,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
         temperature, chunk_size, vocab_start, true_vocab_size = ctx.settings
         cols = _Columns(logits, labels, vocab_start, true_vocab_size)
         grad = torch.empty_like(logits)
-        for rows in _slices(logits.shape[0], chunk_size):  # two fp32 [chunk, V] temporaries
-            z = cols.scaled(logits[rows], temperature)
-            p = (z - log_norm[rows].unsqueeze(-1)).exp_()
-            # d/dz = onehot(label) * g_lp - p * (g_lp + g_H * (z - sum(p * z))), with sum(p * z) = lse - H
-            g = torch.zeros_like(log_norm[rows]) if grad_log_probs is None else grad_log_probs[rows].float()
-            if grad_entropy is None:
-                coef = g.unsqueeze(-1)
-            else:
-                coef = z.sub_((log_norm[rows] - entropy[rows]).unsqueeze(-1)).masked_fill_(p == 0, 0.0)
-                coef.mul_(grad_entropy[rows].float().unsqueeze(-1)).add_(g.unsqueeze(-1))
-            d = p.mul_(coef).neg_()
-            d.scatter_add_(-1, cols.index[rows], torch.where(cols.in_slice[rows], g, 0.0).unsqueeze(-1))
-            grad[rows] = d.div_(temperature)
+        for rows in _slices(logits.shape[0], chunk_size):
+            grad[rows] = _backward_chunk(
+                logits[rows], cols, rows, temperature, log_norm, entropy, grad_log_probs, grad_entropy
+            )
         return grad, None, None, None, None, None, None, None
 
 
