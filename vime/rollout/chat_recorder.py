@@ -87,7 +87,7 @@ class ChatRecorder:
         parse_tools = tools is not None and request.get("tool_choice", "auto") != "none"
         parser = self._parser(request) if parse_tools else None
         if parser is not None:
-            adjusted = parser.adjust_request(_chat_request(request))
+            adjusted = parser.adjust_request(chat_request(request))
             params["skip_special_tokens"] = adjusted.skip_special_tokens
         prompt = self.render(messages, tools)
         self._extend_trajectory(prompt)
@@ -237,10 +237,10 @@ class ChatRecorder:
                 f"tool_choice={request['tool_choice']!r}: only 'auto' and 'none' are supported (force a format with "
                 "structured_outputs instead)"
             )
-        return _tool_parser_class(self.tool_parser)(self.tokenizer)
+        return tool_parser_class(self.tool_parser)(self.tokenizer)
 
 
-def _tool_parser_class(name: str):
+def tool_parser_class(name: str):
     """vLLM's tool parser class registered under ``name`` (``--tool-call-parser`` of its server)."""
     try:
         from vllm.tool_parsers import ToolParserManager
@@ -252,7 +252,7 @@ def _tool_parser_class(name: str):
         raise ChatRequestError(f"unknown tool-call parser {name!r}: {exc}") from None
 
 
-def _chat_request(request: dict[str, Any]):
+def chat_request(request: dict[str, Any]):
     """vLLM's ``ChatCompletionRequest`` for a request body (what its tool parsers read)."""
     try:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest

@@ -2,7 +2,8 @@
 
 A plug-in written for slime reads ``args.sglang_server_concurrency`` (its in-flight bound per engine),
 ``args.sglang_router_ip``/``port`` (where ``/generate`` requests go) or
-``args.sglang_enable_deterministic_inference``; after parsing, each holds the value of vime's flag with that
+``args.sglang_enable_deterministic_inference`` or ``args.sglang_tool_call_parser``/``sglang_reasoning_parser`` (vLLM's
+parser names, e.g. for :mod:`vime.agent.adapters`); after parsing, each holds the value of vime's flag with that
 meaning. The router's address is known here only with ``--vllm-router-ip``/``--vllm-router-port``; otherwise the
 rollout manager sets both names once its router is up.
 """
@@ -17,6 +18,8 @@ SLIME_ARG_ALIASES = {
     "sglang_router_ip": "vllm_router_ip",
     "sglang_router_port": "vllm_router_port",
     "sglang_enable_deterministic_inference": "rollout_sample_seeds",
+    "sglang_tool_call_parser": "vllm_tool_call_parser",
+    "sglang_reasoning_parser": "vllm_reasoning_parser",
 }
 
 
