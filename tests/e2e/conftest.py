@@ -30,6 +30,11 @@ from vime.utils.arguments import parse_args
 # Test-friendly engine flags: no torch.compile warm-up, exact fp32 log-probs, a small context.
 TEST_VLLM_FLAGS = ["--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "256"]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# One-process engines: vLLM's CPU platform runs the model in a separate worker process unless this is 0, which
+# costs each engine start another interpreter and ~9 s here; with it, a one-GPU engine's layout (the worker inside
+# the engine core, vLLM's "uni" executor) is what vLLM uses on GPUs too. Inherited by every engine a test starts;
+# the fault-tolerance runs keep the CPU layout (they check each engine's worker is bound to its own cores).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 MakeArgs = Callable[..., argparse.Namespace]
 ENGINE_PACKAGES = ("vllm", "vllm_router", "ray")

@@ -303,7 +303,10 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
             text=True,
             timeout=1380,
             cwd=tmp_path,
-            env=run_env(marker, PYTHONPATH=str(REPO), **{HOLD_ENV: str(hold_dir)}),
+            # vLLM's CPU layout (a worker process bound to its cores), whose binding is checked below
+            env=run_env(
+                marker, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="1", **{HOLD_ENV: str(hold_dir)}
+            ),
         )
     finally:
         faults.done.set()

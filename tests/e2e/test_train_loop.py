@@ -53,14 +53,16 @@ def test_engines_track_the_trainer_after_every_weight_sync(transport, tiny_model
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_id"] for r in records] == list(range(STEPS))
     # Every rollout after the first was generated with weights synced from a trainer that had moved
-    # (lr 5e-3): the engine's log-probs must equal the trainer's old log-probs (fp32 both sides).
+    # (lr 5e-3): the engine's log-probs must equal the trainer's old log-probs (fp32 both sides agree to ~3e-7;
+    # weights one optimizer step apart differ by ~1e-4).
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in records]
-    assert max(diffs) < 1e-3, diffs
+    assert max(diffs) < 1e-5, diffs
     assert [r["weight_sync/version"] for r in records] == [float(v) for v in range(2, STEPS + 2)]
     assert all(r["weight_sync/bytes"] > 0 for r in records)
     assert all(r["train/grad_norm"] > 0 for r in records)  # the policy moved at every step
-    # --check-weight-update-equal: after every sync each engine scored a fixed sequence as the trainer did
-    assert all(r["weight_sync/check_abs_diff"] < 1e-3 for r in records)
+    # --check-weight-update-equal: after every sync each engine scored a fixed sequence as the trainer did, within
+    # the fp32 bound the run reads from the attached engines' reported dtype (the run fails above it)
+    assert all(r["weight_sync/check_abs_diff"] < 1e-5 for r in records)
     if transport == "distributed":
         assert all(r["train/rollout_entropy"] > 0 and "correct/num_samples" in r for r in records)
     else:  # every sync's files kept, each announced to the hook once written

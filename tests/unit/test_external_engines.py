@@ -17,6 +17,7 @@ from vime.backends.vllm_utils.external_engines import (
     ExternalEngineError,
     ExternalEngines,
     describe_engine,
+    served_dtype,
 )
 from vime.utils.arguments import parse_args
 from vime.utils.vllm_config import engine_specs, serving_config
@@ -86,7 +87,12 @@ class FakeEngine(BaseHTTPRequestHandler):
 
 
 def _config(**changes) -> dict:
-    model = {"model": "/m", "served_model_name": "/m", "logprobs_mode": "processed_logprobs"}
+    model = {
+        "model": "/m",
+        "served_model_name": "/m",
+        "logprobs_mode": "processed_logprobs",
+        "dtype": "torch.float32",
+    }
     parallel = {
         "tensor_parallel_size": 1,
         "pipeline_parallel_size": 1,
@@ -111,7 +117,8 @@ def fake_engine(monkeypatch):
 
 def test_an_engine_started_as_vime_starts_them_is_described(fake_engine):
     info = describe_engine(fake_engine, "/m", 1)
-    assert (info.model, info.num_workers, info.on_gpu) == ("/m", 1, False)
+    assert (info.model, info.num_workers, info.on_gpu, info.dtype) == ("/m", 1, False, "float32")
+    assert served_dtype(fake_engine) == "float32"
     launcher = ExternalEngines([fake_engine], "/m", 1)
     engine = launcher.launch(None, 0, None, [])
     assert engine.start() is engine and engine.is_alive() and engine.url == fake_engine

@@ -194,6 +194,9 @@ def test_weight_check_compares_each_engine_with_the_trainer(model_dir):
     )
     with pytest.raises(RuntimeError, match="http://a: 0.00014"):
         weight_check.compare(trainer, {"http://a": [-1.0, -2.0, -3.00042]}, weight_check.tolerance(fp32), 4)
+    # attached engines (--rollout-external-engine-addrs take no --vllm-dtype) are judged by the dtype they report
+    assert weight_check.tolerance(parse_args(BASE), "torch.float32") <= 1e-5
+    assert weight_check.tolerance(parse_args(BASE), "bfloat16") == 5e-2
 
 
 # ----------------------------------------------------------------------------------------------- --model-name

@@ -14,7 +14,7 @@ from ray._private import ray_constants
 
 from vime.backends.vllm_utils import control_auth
 from vime.backends.vllm_utils.control_client import EngineGroup
-from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
+from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS, served_dtype
 from vime.ray.placement_group import bundle_slots, create_placement_groups, num_bundles
 from vime.ray.rollout_batch import RolloutBatch
 from vime.ray.rollout_manager import create_rollout_manager
@@ -226,7 +226,9 @@ class Run:
         tokens = weight_check.check_tokens(self.args.hf_checkpoint)
         with EngineGroup(urls) as engines:
             scores = engines.run(lambda engine: engine.prompt_log_probs(self.args.hf_checkpoint, tokens))
-        tol = weight_check.tolerance(self.args)
+        # engines vime started run --vllm-dtype; attached ones say what they run
+        engine_dtype = served_dtype(urls[0]) if self.args.rollout_external_engine_addrs and urls else None
+        tol = weight_check.tolerance(self.args, engine_dtype)
         return weight_check.compare(expected, dict(zip(urls, scores, strict=True)), tol, self.weight_version)
 
     def _sync_dir(self) -> str:

@@ -19,11 +19,13 @@ def check_tokens(hf_checkpoint: str) -> list[int]:
     return [(7919 * i + 11) % vocab for i in range(CHECK_LENGTH)]
 
 
-def tolerance(args: argparse.Namespace) -> float:
+def tolerance(args: argparse.Namespace, engine_dtype: str | None = None) -> float:
     """Largest mean |log-prob difference| accepted: fp32 on both sides agrees to ~3e-7 (1e-5 leaves room for
     kernels, not for weights one optimizer step apart, ~1e-4), half precision to ~1e-2; an engine left with other
-    weights is off by far more."""
-    fp32_engine = str(getattr(args, "vllm_dtype", "auto")) in ("float32", "float")
+    weights is off by far more. ``engine_dtype`` is what the engines serve (external engines report it), else
+    ``--vllm-dtype``."""
+    dtype = str(engine_dtype or getattr(args, "vllm_dtype", "auto")).removeprefix("torch.")
+    fp32_engine = dtype in ("float32", "float")
     return 1e-5 if fp32_engine and not (args.bf16 or args.fp16) else 5e-2
 
 

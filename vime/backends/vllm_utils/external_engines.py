@@ -46,6 +46,7 @@ class EngineInfo:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     on_gpu: bool
+    dtype: str  # the weights' dtype as vLLM names it without "torch.": "float32", "bfloat16", ...
 
     @property
     def num_workers(self) -> int:
@@ -62,6 +63,20 @@ def _get(url: str, headers: Mapping[str, str] | None = None, timeout: float = 30
         return exc.code, exc.read().decode(errors="replace")
     except OSError as exc:
         return 0, repr(exc)
+
+
+def _dtype_name(dtype: object) -> str:
+    """``/server_info``'s model dtype (``"torch.float32"``) as a plain name (``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def served_dtype(url: str, timeout: float = 30.0) -> str:
+    """The dtype of the weights the engine at ``url`` serves (``"float32"``, ``"bfloat16"``, ...), from its
+    ``/server_info``; ``RuntimeError`` when it does not answer."""
+    status, body = _get(f"{url}/server_info?config_format=json", timeout=timeout)
+    if status != 200:
+        raise ExternalEngineError(f"the engine at {url}: GET /server_info failed ({status or body})")
+    return _dtype_name(json.loads(body)["vllm_config"]["model_config"].get("dtype"))
 
 
 def describe_engine(url: str, model_name: str, num_gpus_per_engine: int, timeout: float = 30.0) -> EngineInfo:
@@ -104,6 +119,7 @@ def describe_engine(url: str, model_name: str, num_gpus_per_engine: int, timeout
         tensor_parallel_size=int(parallel["tensor_parallel_size"]),
         pipeline_parallel_size=int(parallel["pipeline_parallel_size"]),
         on_gpu=str((config.get("device_config") or {}).get("device")) != "cpu",
+        dtype=_dtype_name(model.get("dtype")),
     )
     if info.num_workers != num_gpus_per_engine:
         missing.append(
