@@ -163,6 +163,8 @@ def test_sampling_params_answer_to_sglang_names():
     clone["max_new_tokens"] = 1
     assert type(clone) is SamplingParams and params["max_tokens"] == 4 and clone.copy()["max_tokens"] == 1
     assert SamplingParams({"max_new_tokens": 2, "max_tokens": 9})["max_tokens"] == 2  # SGLang's name wins
+    params |= {"min_new_tokens": 1}
+    assert params["min_tokens"] == 1 and "min_new_tokens" not in dict(params)
     assert params.pop("max_new_tokens") == 4 and "max_tokens" not in params
 
 
@@ -315,6 +317,12 @@ def test_call_rollout_fn_takes_slimes_return_shapes():
         call_rollout_fn(_returns(data), None, 0, None, evaluation=False)
     with pytest.raises(TypeError, match="group 0 has no samples"):
         call_rollout_fn(_returns([[]]), None, 0, None, evaluation=False)
+    seen = Sample(index=9)
+    seen.multimodal_inputs = {"images": ["img"]}
+    with pytest.raises(ValueError, match="sample 9 carries multimodal inputs"):
+        call_rollout_fn(_returns([[seen]]), None, 0, None, evaluation=False)
+    seen.multimodal_inputs = {"images": None}  # what a text dataset row gives: fine
+    assert call_rollout_fn(_returns([[seen]]), None, 0, None, evaluation=False).samples == [[seen]]
 
 
 # ---------------------------------------------------------------------------------------- flags plug-ins read

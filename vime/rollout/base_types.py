@@ -18,7 +18,8 @@ def call_rollout_fn(
     a bare ``list[list[Sample]]`` becomes ``RolloutFnTrainOutput(samples=...)`` and a bare ``{name: {...}}`` dict
     ``RolloutFnEvalOutput(data=...)``. A group may nest lists of samples (a generate function that returned several
     samples for one, e.g. an agent's turns): they are flattened into the group, in order. Anything else raises
-    ``TypeError`` naming the function and what it returned."""
+    ``TypeError`` naming the function and what it returned; a sample with slime's multimodal inputs raises
+    ``ValueError`` (vime's trainers are text-only)."""
     output = fn(*args, evaluation=evaluation, **kwargs)
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
     if evaluation:
@@ -62,4 +63,11 @@ def _flat_group(group: Any, name: str, position: int) -> list[Sample]:
             )
     if not flat:
         raise TypeError(f"rollout function {name}: group {position} has no samples")
+    for sample in flat:
+        images = any(v is not None for v in (sample.multimodal_inputs or {}).values())
+        if images or sample.multimodal_train_inputs is not None:
+            raise ValueError(
+                f"rollout function {name}: sample {sample.index} carries multimodal inputs (slime's "
+                "multimodal_inputs / multimodal_train_inputs); vime trains text-only models and would drop them"
+            )
     return flat

@@ -114,6 +114,10 @@ class SamplingParams(dict):
         for key, value in sorted(items, key=lambda item: item[0] in _RENAMED):
             self[key] = value
 
+    def __ior__(self, other: Any) -> SamplingParams:
+        self.update(other)
+        return self
+
     def copy(self) -> SamplingParams:
         return SamplingParams(self)
 
