@@ -57,14 +57,15 @@ def _args(model_dir, *extra):
 
 
 async def _fake_vllm():
-    """A server answering ``/v1/completions`` with two tokens (10, 11), recording each request body."""
+    """A server answering ``/v1/completions`` with two tokens (10, 11) per choice, recording each request body."""
 
     async def completions(request):
         body = await request.json()
         REQUESTS.append(body)
-        choice = {"index": 0, "text": "ab", "token_ids": [10, 11], "prompt_token_ids": body["prompt"],
-                  "finish_reason": "stop", "stop_reason": None, "logprobs": {"token_logprobs": [-0.5, -0.25]}}  # fmt: skip
-        return web.json_response({"id": "c", "choices": [choice]})
+        choices = [{"index": i, "text": "ab", "token_ids": [10, 11], "prompt_token_ids": body["prompt"],
+                    "finish_reason": "stop", "stop_reason": None, "logprobs": {"token_logprobs": [-0.5, -0.25]}}
+                   for i in range(body.get("n", 1))]  # fmt: skip
+        return web.json_response({"id": "c", "choices": choices})
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
@@ -147,6 +148,8 @@ def test_generate_and_rm_group_runs_a_slime_generate_function(model_dir):
         assert sample.status == Status.COMPLETED and sample.reward == 3.0
         assert sample.metadata["concurrency"] == 3
     assert aborted.status == Status.ABORTED and aborted.reward is None
+    args.vllm_model_routers = {"policy": ("127.0.0.1", 7)}
+    assert vllm_rollout.get_model_url(args, "policy") == "http://127.0.0.1:7/generate"  # slime's default path
     assert len(REQUESTS) == 3 and all(r["max_tokens"] == 3 and r["prompt"] == [14, 15] for r in REQUESTS)
 
 
@@ -377,3 +380,40 @@ def test_execute_train_runs_the_train_script_with_the_models_args(tmp_path, caps
         execute_train("", 1, "nope", train_script=str(script))
     with pytest.raises(ValueError, match="configure slime's Ray job"):
         execute_train("", 1, None, train_script=str(script), config=ExecuteTrainConfig(num_nodes=2))
+
+
+def test_a_rollout_written_like_slimes_submits_aborts_and_resets(model_dir):
+    """slime's generate_rollout_async pattern: submit groups, take what is needed, abort the rest, reset."""
+    args = _args(model_dir, "--rm-type", "exact", "--partial-rollout")
+
+    async def main():
+        runner, port = await _fake_vllm()
+        args.vllm_router_ip, args.vllm_router_port, args.rollout_engine_urls = "127.0.0.1", port, []
+        try:
+            state = vllm_rollout.GenerateState(args)
+            state.submit_generate_tasks(
+                [[Sample(prompt="ab", index=2 * g + i, label="x") for i in range(2)] for g in range(3)]
+            )
+            assert state.remaining_batch_size == 3 and len(state.pendings) == 3
+            done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
+            with state.dp_rank_context() as rank:
+                assert rank == 0
+            back = await vllm_rollout.abort(args, rollout_id=4)
+            aborted, pending = state.aborted, len(state.pendings)
+            state.reset()
+            return (
+                [t.result() for t in done],
+                back,
+                aborted,
+                pending,
+                state.aborted,
+                state.remaining_batch_size,
+            )
+        finally:
+            await vllm_rollout.close_contexts()
+            await runner.cleanup()
+
+    done, back, aborted, pending, after_reset, remaining = asyncio.run(main())
+    assert done and all(s.response == "ab" and s.reward == 0.0 for group in done for s in group)
+    assert len(done) + len(back) == 3 and aborted and pending == 0 and not after_reset and remaining == 0
+    assert all(s.metadata["start_rollout_id"] == 4 for group in back for s in group)

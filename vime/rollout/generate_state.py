@@ -10,6 +10,10 @@ shared state::
         ...
     if state.aborted: ...            # the rollout is aborting in-flight requests (its batch is full)
 
+A rollout function written like slime's ``generate_rollout_async`` submits groups with
+``state.submit_generate_tasks(groups)`` (tasks in ``state.pendings``, counted by ``state.remaining_batch_size``),
+stops the rest with :func:`abort` and calls ``state.reset()`` before the next rollout.
+
 ``state.sampling_params`` are vime's defaults from the ``--rollout-*`` flags under vLLM's names (``max_tokens``
 where slime's have SGLang's ``max_new_tokens``), readable under SGLang's names too
 (:class:`~vime.utils.sglang_compat.SamplingParams`); a generate function receives its own copy as its third
@@ -19,11 +23,23 @@ argument. ``state.processor`` is the checkpoint's multimodal processor, ``None``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import logging
 
-from vime.rollout.vllm_generate import RolloutContext, get_context, sampling_params_from_args
+from vime.rollout.vllm_generate import (
+    RolloutContext,
+    generate_and_rm_group,
+    get_context,
+    sampling_params_from_args,
+)
 from vime.utils import processing_utils
 from vime.utils.sglang_compat import SamplingParams
+from vime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+# abort again this often until every submitted group is back (requests in transit start after an abort)
+ABORT_RETRY_S = 0.2
 
 
 @functools.cache
@@ -60,6 +76,28 @@ class GenerateState:
         # the rollout's own limit, so holding this while generating cannot deadlock.
         self.semaphore = asyncio.Semaphore(args.rollout_concurrency * max(1, len(context.engine_urls)))
         self._context = context
+        self.remaining_batch_size = 0
+        self.pendings: set[asyncio.Task] = set()
+
+    def reset(self) -> None:
+        """Forget submitted tasks and end an abort (slime's: before the next rollout or eval)."""
+        self.remaining_batch_size = 0
+        self.pendings = set()
+        self._context.aborting = False
+
+    def submit_generate_tasks(self, samples: list[list[Sample]]) -> None:
+        """Start generating and rewarding each group (:func:`~vime.rollout.vllm_generate.generate_and_rm_group`,
+        the rollout's sampling parameters) as a task in :attr:`pendings`; count them in :attr:`remaining_batch_size`."""
+        for group in samples:
+            self.pendings.add(
+                asyncio.create_task(generate_and_rm_group(self.args, group, self.sampling_params))
+            )
+        self.remaining_batch_size += len(samples)
+
+    @contextlib.contextmanager
+    def dp_rank_context(self):
+        """slime's pick of an SGLang data-parallel rank; a vLLM engine balances its own ranks: always 0."""
+        yield 0
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -71,7 +109,35 @@ class GenerateState:
         """Whether the rollout is aborting its in-flight requests (a generate function should stop early)."""
         return self._context.aborting
 
+    @aborted.setter
+    def aborted(self, value: bool) -> None:
+        self._context.aborting = value
+
     @property
     def router_url(self) -> str:
         """``http://IP:PORT`` of the router (requests go there)."""
         return self._context.router_url
+
+
+async def abort(args, rollout_id: int) -> list[list[Sample]]:
+    """Stop the groups :meth:`GenerateState.submit_generate_tasks` left running (slime's ``abort``): abort every
+    engine's requests until each pending task has returned, and give back, with ``--partial-rollout``, the groups
+    that hold a partial response (``metadata["start_rollout_id"]`` set to ``rollout_id`` where it was not);
+    otherwise none. The state stays aborted until :meth:`GenerateState.reset`."""
+    state = GenerateState(args)
+    state.aborted = True
+    returned = []
+    while state.pendings:
+        await state._context.abort_all()
+        done, state.pendings = await asyncio.wait(state.pendings, timeout=ABORT_RETRY_S)
+        if not args.partial_rollout:
+            continue
+        for task in done:
+            group = task.result()
+            for sample in group:
+                if sample.response and "start_rollout_id" not in sample.metadata:
+                    sample.metadata["start_rollout_id"] = rollout_id
+            returned.append(group)
+    if args.partial_rollout:
+        logger.info("abort: %d partial groups back to the data buffer", len(returned))
+    return returned

@@ -213,9 +213,11 @@ async def close_contexts() -> None:
     await http_utils.close_session()
 
 
-def get_model_url(args, model: str, path: str = "") -> str:
+def get_model_url(args, model: str, path: str = "/generate") -> str:
     """``http://HOST:PORT{path}`` of the router serving ``model``, a model name of ``--vllm-config`` (slime's
-    ``get_model_url``; without ``--vllm-config`` the policy is named ``policy``)."""
+    ``get_model_url``, its default path SGLang's ``/generate``, which :func:`vime.utils.http_utils.post` answers
+    through vLLM; without ``--vllm-config`` the policy is named ``policy``). Unlike slime's, an unknown name raises
+    rather than falling back to the policy's router."""
     routers = getattr(args, "vllm_model_routers", None) or {}
     if model not in routers:
         raise KeyError(

@@ -23,7 +23,7 @@ from typing import Any
 from vime.rollout.eval_metrics import pass_rates
 from vime.rollout.eval_rollout import run_eval
 from vime.rollout.filter_hub.base_types import DynamicFilterOutput
-from vime.rollout.generate_state import GenerateState
+from vime.rollout.generate_state import GenerateState, abort
 from vime.rollout.vllm_generate import (
     RolloutContext,
     RolloutError,
@@ -49,6 +49,7 @@ __all__ = [  # the generation API plug-ins import from here (defined in vime.rol
     "RolloutContext",
     "RolloutError",
     "SampleGenerationError",
+    "abort",
     "append_response",
     "close_contexts",
     "generate",
