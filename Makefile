@@ -15,15 +15,19 @@ install: $(VENV)/.installed
 quickstart: install
 	$(PY) examples/quickstart/quickstart.py
 
-# VIME_REQUIRE_ENGINES=1: a missing vLLM, vllm-router or Ray fails the e2e tests (a bare pytest skips them)
+# VIME_REQUIRE_ENGINES=1: a missing vLLM, vllm-router or Ray fails the e2e tests (a bare pytest skips them).
+# TEST_WORKERS pytest-xdist workers, each taking whole files, longest first (tests/conftest.py): the e2e tests
+# leave a core idle much of the time (one process importing, starting or waiting), so two share two cores well.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: install lint
-	VIME_REQUIRE_ENGINES=1 $(PY) -m pytest tests -q --timeout 900 --durations=30
+	VIME_REQUIRE_ENGINES=1 $(PY) -m pytest tests -q --timeout 900 --durations=30 $(XDIST)
 
 test-unit: install
 	$(PY) -m pytest tests/unit -q
 
 test-e2e: install
-	VIME_REQUIRE_ENGINES=1 $(PY) -m pytest tests/e2e -q --timeout 900
+	VIME_REQUIRE_ENGINES=1 $(PY) -m pytest tests/e2e -q --timeout 900 $(XDIST)
 
 lint: install
 	$(VENV)/bin/ruff check $(LINT_PATHS)

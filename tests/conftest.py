@@ -1,9 +1,15 @@
 """Per-file cost of the e2e tests, printed at the end of the run: wall time, and how many vLLM engines started
 (a poller records every engine API-server process it sees, whoever started it: a fixture, the pool, or a
-train.py run's Ray actors)."""
+train.py run's Ray actors).
+
+Under pytest-xdist (``make test`` runs two workers) each worker tags its environment with its id, which every
+process it starts inherits (engines, Ray, train.py runs); a worker counts only the engines carrying its tag, and
+sends its figures to the controller, which prints them."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections import defaultdict
@@ -12,12 +18,14 @@ import psutil
 import pytest
 
 ENGINE_COMMAND = "vllm.entrypoints.openai.api_server"
+WORKER_ENV = "VIME_TEST_WORKER"
 
 
 class EngineCounter:
     """Polls the process table; each engine API server seen counts once, for the test file running then."""
 
-    def __init__(self, interval_s: float = 1.0):
+    def __init__(self, worker: str | None, interval_s: float = 1.0):
+        self.worker = worker
         self.interval_s = interval_s
         self.current_file: str | None = None
         self.seen: set[tuple[int, float]] = set()  # (pid, create_time): a pid may be reused
@@ -34,11 +42,15 @@ class EngineCounter:
         self._thread.join(timeout=10)
         self._scan()
 
+    def _mine(self, proc: psutil.Process) -> bool:
+        return self.worker is None or proc.environ().get(WORKER_ENV) == self.worker
+
     def _scan(self) -> None:
         for proc in psutil.process_iter(["cmdline", "create_time"]):
             try:
                 cmdline = proc.info["cmdline"] or []
-                if cmdline[1:3] == ["-m", ENGINE_COMMAND]:  # the server itself (not its process guard)
+                # the server itself (not its process guard)
+                if cmdline[1:3] == ["-m", ENGINE_COMMAND] and self._mine(proc):
                     key = (proc.pid, proc.info["create_time"])
                     if key not in self.seen:
                         self.seen.add(key)
@@ -50,13 +62,41 @@ class EngineCounter:
         while not self._stop.wait(self.interval_s):
             self._scan()
 
+    def figures(self) -> dict[str, dict[str, float]]:
+        """``{"wall_s": {file: s}, "engines": {file: n}}``."""
+        return {"wall_s": dict(self.wall_s), "engines": dict(self.per_file)}
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.stash[COUNTER] = EngineCounter()
-    config.stash[COUNTER].start()
+
+# Run order under xdist (``--dist loadfile --no-loadscope-reorder``: a file stays on one worker, files go out in
+# this order): the longest e2e files first, so the two workers finish together; then the rest as collected.
+# The costs (s) are this summary's, on the 2-core machine; a stale list only costs balance, never correctness.
+LONGEST_FIRST = {
+    "test_fault_tolerance.py": 400,
+    "test_loop_learns.py": 300,
+    "test_two_node_cluster.py": 124,
+    "test_train_loop.py": 117,
+    "test_sft.py": 116,
+    "test_several_models.py": 111,
+    "test_engine_router.py": 95,
+    "test_rollout.py": 80,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))  # stable: the rest keep their order
 
 
 COUNTER = pytest.StashKey[EngineCounter]()
+FROM_WORKERS = pytest.StashKey[list[dict]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is not None:
+        os.environ[WORKER_ENV] = worker
+    config.stash[COUNTER] = EngineCounter(worker)
+    config.stash[COUNTER].start()
+    config.stash[FROM_WORKERS] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -68,16 +108,37 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
     counter.wall_s[item.location[0]] += time.monotonic() - started
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the figures to the controller
+        counter = session.config.stash[COUNTER]
+        counter.stop()
+        session.config.workeroutput["e2e_cost"] = json.dumps(counter.figures())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """xdist's controller: a worker's figures."""
+    if figures := getattr(node, "workeroutput", {}).get("e2e_cost"):
+        node.config.stash[FROM_WORKERS].append(json.loads(figures))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     counter = config.stash[COUNTER]
     counter.stop()
-    files = sorted(f for f in counter.wall_s if "/e2e/" in f or counter.per_file.get(f))
+    wall_s: dict[str, float] = defaultdict(float)
+    engines: dict[str, int] = defaultdict(int)
+    for figures in [counter.figures(), *config.stash[FROM_WORKERS]]:
+        for name, seconds in figures["wall_s"].items():
+            wall_s[name] += seconds
+        for name, count in figures["engines"].items():
+            engines[name] += count
+    files = sorted(f for f in wall_s if "/e2e/" in f or engines.get(f))
     if not files:
         return
     terminalreporter.section("e2e cost per file")
     for name in files:
-        terminalreporter.write_line(
-            f"{counter.wall_s[name]:8.1f} s  {counter.per_file.get(name, 0):3d} engine(s)  {name}"
-        )
-    total = sum(counter.wall_s[f] for f in files)
-    terminalreporter.write_line(f"{total:8.1f} s  {sum(counter.per_file.values()):3d} engine(s)  in all")
+        terminalreporter.write_line(f"{wall_s[name]:8.1f} s  {engines.get(name, 0):3d} engine(s)  {name}")
+    total = sum(wall_s[f] for f in files)
+    workers = len(config.stash[FROM_WORKERS])
+    summed = f" (summed over {workers} workers)" if workers > 1 else ""
+    terminalreporter.write_line(f"{total:8.1f} s  {sum(engines.values()):3d} engine(s)  in all{summed}")
