@@ -127,7 +127,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     counter.stop()
     wall_s: dict[str, float] = defaultdict(float)
     engines: dict[str, int] = defaultdict(int)
-    for figures in [counter.figures(), *config.stash[FROM_WORKERS]]:
+    # under xdist the workers ran the tests (the controller's own poller saw every worker's engines)
+    for figures in config.stash[FROM_WORKERS] or [counter.figures()]:
         for name, seconds in figures["wall_s"].items():
             wall_s[name] += seconds
         for name, count in figures["engines"].items():

@@ -183,21 +183,26 @@ class FaultScript(threading.Thread):
 
     # ------------------------------------------------------------------------------------------ faults
     def strike_mid_rollout(
-        self, rollout_id: int, after: int, engines: int = 1, router: bool = False, hang: bool = False
+        self, rollout_id: int, sync_before: int, engines: int = 1, router: bool = False, hang: bool = False
     ) -> None:
-        """Once rollout ``after`` is logged and rollout ``rollout_id`` has requests running on an engine: SIGKILL (``hang``: SIGSTOP) the API server of
-        that engine (``engines=2``: of every engine), and with ``router`` SIGKILL the router too. Records the samples
-        in flight on the victims and how many samples the other engines (and the replacements) generated beyond what
-        they had in hand: the re-sent ones, whoever re-sent them."""
-        # the process scans first, before rollout ``after`` is logged (the rollout to strike starts right then):
-        # between seeing its requests run and the kill, every millisecond counts
+        """Once rollout ``rollout_id`` (generated right after weight sync ``sync_before``) has requests running on an
+        engine: SIGKILL (``hang``: SIGSTOP) the API server of that engine (``engines=2``: of every engine), and with
+        ``router`` SIGKILL the router too. Records the samples in flight on the victims and how many samples the
+        other engines (and the replacements) generated beyond what they had in hand: the re-sent ones, whoever
+        re-sent them.
+
+        Sync ``sync_before`` is held (its engines paused) until the process scans are done and the engines' counters
+        read: the rollout starts only once the polls are running, so a fast rollout cannot slip past them."""
+        self.hold(sync_before)
         self.wait(
             "the run's two engines and its router", lambda: len(self.engines()) == 2 and self.router_pid()
         )
         self._pids, router_pid = self.engines(), self.router_pid()
         fault = {"rollout_id": rollout_id, "non_loopback_listeners": non_loopback_listeners(self.marker)}
-        self.wait(f"rollout {after} logged", lambda: self.logged(after))
+        self.wait(f"sync {sync_before} paused", lambda: (self.hold_dir / f"paused_{sync_before}").exists())
         self._last_counts = {}
+        self._generating()  # the counters before the rollout: the next poll that sees one move strikes
+        self.release(sync_before)
         before = self.wait(f"requests of rollout {rollout_id} running", self._generating)
         busy = max(before, key=lambda url: before[url]["running"])
         victims = list(before) if engines > 1 else [busy]
@@ -249,38 +254,44 @@ def _script_train(s: FaultScript) -> None:
     s.hold(
         3
     )  # the sync after rollout 1 reaches the survivor; sync 4 admits the replacement; rollout 3 on both
-    s.strike_mid_rollout(1, after=0)
+    s.strike_mid_rollout(1, sync_before=2)
     s.hold_until_replacements_up(3, 1)
     s.hold(6)
-    s.strike_mid_rollout(4, after=3, router=True, hang=True)
+    s.strike_mid_rollout(4, sync_before=5, router=True, hang=True)
     s.hold_until_replacements_up(6, 2)
     s.wait("rollout 6 generating", lambda: s.logged(5))
     s.hold(9)
     s.kill_in_sync(8)  # the sync after rollout 6: done again without the dead engine
     s.hold_until_replacements_up(9, 3)
-    s.strike_mid_rollout(10, after=9, engines=2)  # no engine left: the replacements get the weights during it
+    s.strike_mid_rollout(
+        10, sync_before=11, engines=2
+    )  # no engine left: the replacements get the weights during it
 
 
 def _script_train_async(s: FaultScript) -> None:
     """train_async.py: rollout k+2 is generated once rollout k is logged (rollout k+1 finished before that sync)."""
     s.hold(3)
-    s.strike_mid_rollout(2, after=0)
+    s.strike_mid_rollout(2, sync_before=2)
     s.hold_until_replacements_up(3, 1)
     s.hold(9)  # a sync after the double kill (the push to the stranded replacements is 7 or 8): both rejoin
-    s.strike_mid_rollout(6, after=4, engines=2)  # the actor trained since the last sync: a version ahead
+    s.strike_mid_rollout(
+        6, sync_before=6, engines=2
+    )  # the actor trained since the last sync: a version ahead
     s.hold_until_replacements_up(9, 3)
 
 
-# the fault script, the loop's flags, rollouts
+# the fault script, the loop's flags, rollouts, whether its engines run vLLM's CPU layout (a worker process bound to
+# the slot's cores, checked below) rather than the tests' one-process layout (tests/e2e/conftest.py), which starts
+# each of the train.py run's seven engines ~9 s sooner
 CASES = {
-    "train.py": (_script_train, [], 12),
-    "train_async.py": (_script_train_async, ["--keep-old-actor"], 9),
+    "train.py": (_script_train, [], 12, False),
+    "train_async.py": (_script_train_async, ["--keep-old-actor"], 9, True),
 }
 
 
 @pytest.mark.parametrize("script", list(CASES))
 def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny_model_dir, tmp_path, script):
-    fault_script, flags, num_rollout = CASES[script]
+    fault_script, flags, num_rollout, cpu_layout = CASES[script]
     marker = f"ft-{os.getpid()}-{time.time_ns()}"
     faults = FaultScript(marker, tmp_path, fault_script)
     log_dir, hold_dir = faults.log_dir, faults.hold_dir
@@ -305,9 +316,11 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
             text=True,
             timeout=1380,
             cwd=tmp_path,
-            # vLLM's CPU layout (a worker process bound to its cores), whose binding is checked below
             env=run_env(
-                marker, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="1", **{HOLD_ENV: str(hold_dir)}
+                marker,
+                PYTHONPATH=str(REPO),
+                VLLM_ENABLE_V1_MULTIPROCESSING=str(int(cpu_layout)),
+                **{HOLD_ENV: str(hold_dir)},
             ),
         )
     finally:
@@ -398,7 +411,16 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
     else:
         assert by_rollout[1]["weight_sync/engines"] == 1, records
 
-    # the engines of one machine compute on their own cores; a replacement keeps its slot's
+    if cpu_layout:
+        _check_each_slot_keeps_its_cores(log_dir)
+    assert wait_until_no_marked_processes(marker, timeout=30) == []
+    assert not [
+        p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
+
+
+def _check_each_slot_keeps_its_cores(log_dir: Path) -> None:
+    """The engines of one machine compute on their own cores; a replacement keeps its slot's."""
     cores = {
         p.name: re.findall(r"core ids=(\[[\d, ]*\])", p.read_text(errors="replace"))
         for p in log_dir.glob("engine_*.log")
@@ -407,7 +429,3 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
         assert cores["engine_0.log"][:1] != cores["engine_1.log"][:1] and all(cores.values()), cores
     for name, found in cores.items():
         assert found[:1] == cores[name.split(".")[0] + ".log"][:1], cores
-    assert wait_until_no_marked_processes(marker, timeout=30) == []
-    assert not [
-        p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])
-    ]
