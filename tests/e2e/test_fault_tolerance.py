@@ -183,7 +183,13 @@ class FaultScript(threading.Thread):
 
     # ------------------------------------------------------------------------------------------ faults
     def strike_mid_rollout(
-        self, rollout_id: int, sync_before: int, engines: int = 1, router: bool = False, hang: bool = False
+        self,
+        rollout_id: int,
+        sync_before: int | None = None,
+        after: int | None = None,
+        engines: int = 1,
+        router: bool = False,
+        hang: bool = False,
     ) -> None:
         """Once rollout ``rollout_id`` (generated right after weight sync ``sync_before``) has requests running on an
         engine: SIGKILL (``hang``: SIGSTOP) the API server of that engine (``engines=2``: of every engine), and with
@@ -191,18 +197,26 @@ class FaultScript(threading.Thread):
         other engines (and the replacements) generated beyond what they had in hand: the re-sent ones, whoever
         re-sent them.
 
-        Sync ``sync_before`` is held (its engines paused) until the process scans are done and the engines' counters
-        read: the rollout starts only once the polls are running, so a fast rollout cannot slip past them."""
-        self.hold(sync_before)
+        train.py (``sync_before``): that sync is held (its engines paused) until the process scans are done and the
+        engines' counters read, so the rollout starts only once the polls are running and a fast rollout cannot slip
+        past them. train_async.py (``after``): the polls start once rollout ``after`` is logged; there the next
+        rollout is already generating during each sync, so a held sync would pause the wrong rollout's requests."""
+        if sync_before is not None:
+            self.hold(sync_before)
         self.wait(
             "the run's two engines and its router", lambda: len(self.engines()) == 2 and self.router_pid()
         )
         self._pids, router_pid = self.engines(), self.router_pid()
         fault = {"rollout_id": rollout_id, "non_loopback_listeners": non_loopback_listeners(self.marker)}
-        self.wait(f"sync {sync_before} paused", lambda: (self.hold_dir / f"paused_{sync_before}").exists())
         self._last_counts = {}
-        self._generating()  # the counters before the rollout: the next poll that sees one move strikes
-        self.release(sync_before)
+        if sync_before is not None:
+            self.wait(
+                f"sync {sync_before} paused", lambda: (self.hold_dir / f"paused_{sync_before}").exists()
+            )
+            self._generating()  # the counters before the rollout: the next poll that sees one move strikes
+            self.release(sync_before)
+        else:
+            self.wait(f"rollout {after} logged", lambda: self.logged(after))
         before = self.wait(f"requests of rollout {rollout_id} running", self._generating)
         busy = max(before, key=lambda url: before[url]["running"])
         victims = list(before) if engines > 1 else [busy]
@@ -271,7 +285,7 @@ def _script_train(s: FaultScript) -> None:
 def _script_train_async(s: FaultScript) -> None:
     """train_async.py: rollout k+2 is generated once rollout k is logged (rollout k+1 finished before that sync)."""
     s.hold(3)
-    s.strike_mid_rollout(2, sync_before=2)
+    s.strike_mid_rollout(2, after=0)
     s.hold_until_replacements_up(3, 1)
     s.hold(9)  # a sync after the double kill (the push to the stranded replacements is 7 or 8): both rejoin
     s.strike_mid_rollout(
