@@ -6,7 +6,6 @@ run with its log."""
 from __future__ import annotations
 
 import argparse
-import threading
 from pathlib import Path
 
 import pytest
@@ -111,30 +110,12 @@ def test_a_replacement_the_sync_did_not_reach_waits_for_the_next(router):
     monitor, made = _monitor(engines)
     monitor.ensure_healthy()
     monitor.ensure_healthy()  # both replacements are up
-    new0, new1 = engines  # (started side by side: ``made`` is in no fixed order)
+    new0, new1 = engines
     assert {new0, new1} == set(made)
     monitor.admit_synced(["e0", new1.url])  # the sync saw e0's old URL and e1's replacement
     assert router[-1] == ("add", new1.url) and monitor.waiting_for_weights == {0}
     monitor.admit_synced([new0.url, new1.url])
     assert router[-1] == ("add", new0.url) and monitor.waiting_for_weights == set()
-
-
-def test_engines_that_die_together_are_replaced_side_by_side(router):
-    """Each replacement's start waits for the other's to begin: replaced one after another, the first would wait
-    alone until the barrier breaks."""
-    meeting = threading.Barrier(2, timeout=5)
-
-    class Meeting(FakeEngine):
-        def start(self):
-            meeting.wait()
-            return super().start()
-
-    engines = [FakeEngine("e0", alive=False), FakeEngine("e1", alive=False)]
-    args = argparse.Namespace(rollout_max_engine_restarts=3, engine_start_timeout=5)
-    monitor = EngineMonitor(args, engines, "http://router", lambda slot: Meeting(f"new{slot}"))
-    monitor.ensure_healthy()
-    assert [e.url for e in engines] == ["new0", "new1"] and all(e.started for e in engines)
-    assert set(monitor.starting) == {0, 1} and monitor.restarts == [1, 1]
 
 
 def test_replacements_are_stranded_only_when_no_engine_is_left_to_serve(router):

@@ -23,7 +23,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from vime.backends.vllm_utils.engine import ServerProcess
 from vime.backends.vllm_utils.engine_fleet import EngineHandle
@@ -136,34 +135,16 @@ class EngineMonitor:
                 except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                     self.fatal = e
                     return
-            to_replace = []
             for slot in range(len(self.engines)):
                 if self._stop.is_set() or self.fatal is not None:
                     return
                 try:
                     if slot in self.starting:
-                        if self._start_failed(slot):
-                            to_replace.append(slot)
+                        self._check_start(slot)
                     elif not self._healthy(self.engines[slot]):
-                        to_replace.append(slot)
+                        self._replace(slot)
                 except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                     self.fatal = e
-            self._replace_all(to_replace)
-
-    def _replace_all(self, slots: list[int]) -> None:
-        """Replace the engines of ``slots`` side by side: when several die together (a node lost, every engine
-        of a run), their replacements start together rather than each after the previous one's launch."""
-        if len(slots) <= 1:
-            for slot in slots:
-                try:
-                    self._replace(slot)
-                except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
-                    self.fatal = e
-            return
-        with ThreadPoolExecutor(len(slots), thread_name_prefix="engine-replace") as pool:
-            for future in [pool.submit(self._replace, slot) for slot in slots]:
-                if (error := future.exception()) is not None:
-                    self.fatal = error
 
     def _healthy(self, server: EngineHandle | ServerProcess, path: str = "/health") -> bool:
         if not server.is_alive():
@@ -230,9 +211,9 @@ class EngineMonitor:
             self.args.rollout_engine_urls = self._live_urls()  # where the rollout aborts requests
         logger.warning("engine %d starting again at %s", slot, engine.url)
 
-    def _start_failed(self, slot: int) -> bool:
-        """A replacement that is up waits for weights (False); one that died or outlived ``--engine-start-timeout``
-        while starting must be replaced again (True; it counts as a restart)."""
+    def _check_start(self, slot: int) -> None:
+        """A replacement that is up waits for weights; one that died or outlived ``--engine-start-timeout`` while
+        starting is replaced again (it counts as a restart)."""
         engine, (down_since, launched) = self.engines[slot], self.starting[slot]
         if self._healthy(engine):
             with self.lock:
@@ -241,5 +222,5 @@ class EngineMonitor:
                 self.args.rollout_engine_urls = self._live_urls()
             self.time_lost_s += time.monotonic() - down_since
             logger.warning("engine %d is up at %s; it rejoins after the next weight sync", slot, engine.url)
-            return False
-        return not engine.is_alive() or time.monotonic() - launched > self.args.engine_start_timeout
+        elif not engine.is_alive() or time.monotonic() - launched > self.args.engine_start_timeout:
+            self._replace(slot)
