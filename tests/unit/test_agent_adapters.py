@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 from aiohttp import web
+from fake_http import serve_posts
 
 from vime.agent.adapters import AnthropicAdapter, OpenAIAdapter, common
 from vime.agent.adapters.anthropic import fold_late_system_messages
@@ -19,7 +20,6 @@ from vime.agent.aiohttp_threaded import FilteredAccessLogger, run_app_in_thread
 from vime.rollout.generate_state import load_tokenizer
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils.http_utils import close_session
-from vime.utils.misc import free_port
 from vime.utils.sglang_compat import SamplingParams
 from vime.utils.types import Sample, Status
 
@@ -59,13 +59,7 @@ async def _fake_vllm(tokenizer):
                   "stop_reason": None, "logprobs": {"token_logprobs": [-0.1] * len(ids)}}  # fmt: skip
         return web.json_response({"id": "c", "choices": [choice]})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_posts({"/v1/completions": completions})
 
 
 def _run_sessions(tokenizer, adapter_cls, client):

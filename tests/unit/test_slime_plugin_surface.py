@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from aiohttp import web
+from fake_http import serve_posts
 from PIL import Image
 
 from vime.backends.megatron_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
@@ -30,7 +31,7 @@ from vime.rollout.rm_hub.math_utils import extract_answer
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils.arguments import parse_args
 from vime.utils.http_utils import close_session, get_rollout_num_engines, post
-from vime.utils.misc import SingletonMeta, exec_command, free_port, load_function
+from vime.utils.misc import SingletonMeta, exec_command, load_function
 from vime.utils.processing_utils import (
     build_processor_kwargs,
     encode_image_for_rollout_engine,
@@ -67,13 +68,8 @@ async def _fake_vllm():
                    for i in range(body.get("n", 1))]  # fmt: skip
         return web.json_response({"id": "c", "choices": choices})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, port
+    runner, url = await serve_posts({"/v1/completions": completions})
+    return runner, int(url.rsplit(":", 1)[1])
 
 
 async def slime_style_generate(args, sample, sampling_params):
