@@ -277,9 +277,12 @@ def _script_train(s: FaultScript) -> None:
     s.hold(9)
     s.kill_in_sync(8)  # the sync after rollout 6: done again without the dead engine
     s.hold_until_replacements_up(9, 3)
+    # the sync after the double kill waits for both replacements: the last sync (13) admits the one not yet serving
+    s.hold(12)
     s.strike_mid_rollout(
         10, sync_before=11, engines=2
     )  # no engine left: the replacements get the weights during it
+    s.hold_until_replacements_up(12, 5)
 
 
 def _script_train_async(s: FaultScript) -> None:
@@ -287,10 +290,10 @@ def _script_train_async(s: FaultScript) -> None:
     s.hold(3)
     s.strike_mid_rollout(2, after=0)
     s.hold_until_replacements_up(3, 1)
-    s.hold(9)  # a sync after the double kill (the push to the stranded replacements is 7 or 8): both rejoin
+    s.hold(9)  # a sync after the double kill: both replacements rejoin
     s.strike_mid_rollout(
         6, sync_before=6, engines=2
-    )  # the actor trained since the last sync: a version ahead
+    )  # the actor trained since the last sync: the replacements get the old actor's copy
     s.hold_until_replacements_up(9, 3)
 
 
@@ -386,16 +389,12 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
 
     # the weights move every step (lr 1e-3), so a sample from an engine a version behind or ahead of the one its
     # stamp names would show ~1e-3: every rollout trains on samples whose log-probs the trainer reproduces at the fp32
-    # level, and carries one weight version. Except train_async.py's rollout whose engines all died: the replacements
-    # got the actor's weights, a version ahead (it trained meanwhile), while the requests re-sent to them keep the
-    # version they were first sent with (the router holds them until a worker is back), so the old actor scores them
-    # a step off. The rollouts after it are exact again.
-    mixed = {6} if script == "train_async.py" else set()
+    # level, and carries one weight version. That includes train_async.py's rollout whose engines all died while the
+    # actor was a step ahead: the replacements get the old actor's kept copy, the version the rollout began with
     for rollout_id, record in by_rollout.items():
-        if rollout_id not in mixed:
-            diff = record["train/train_rollout_logprob_abs_diff"]
-            assert diff < FP32_DIFF, (rollout_id, diff, versions_by_rollout[rollout_id])
-            assert len(versions_by_rollout[rollout_id]) == 1, (rollout_id, versions_by_rollout[rollout_id])
+        diff = record["train/train_rollout_logprob_abs_diff"]
+        assert diff < FP32_DIFF, (rollout_id, diff, versions_by_rollout[rollout_id])
+        assert len(versions_by_rollout[rollout_id]) == 1, (rollout_id, versions_by_rollout[rollout_id])
     assert all(by_rollout[k]["train/grad_norm"] > 0 for k in by_rollout), (
         "the weights did not move every step"
     )

@@ -19,6 +19,7 @@ from vime.backends.trainer_base import TrainerBase
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils.arguments import parse_args
 from vime.utils.flops import sequence_flops
+from vime.utils.offload import local_shard
 from vime.utils.train_data import shape_rewards
 from vime.utils.train_debug import MemoryRecorder
 from vime.utils.types import Sample, Status
@@ -75,7 +76,7 @@ def train(trainer: FSDPTrainer, rollout_id: int, samples: list[Sample], **kw) ->
 
 
 def params(trainer: FSDPTrainer) -> dict[str, torch.Tensor]:
-    return {name: p.detach().to_local().clone() for name, p in trainer.model.named_parameters()}
+    return {name: local_shard(p).detach().clone() for name, p in trainer.model.named_parameters()}
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 1e-6) -> bool:
@@ -105,6 +106,26 @@ def test_keep_old_actor_scores_old_log_probs_with_the_weights_the_rollout_was_ge
     assert abs(train(plain, 1, samples)["ppo_kl"]) < 1e-8  # without it the old policy is the current one
 
 
+def test_rollout_weights_loaded_holds_the_engines_version_and_gives_the_trained_weights_back(base_args):
+    """A replacement pushed while the actor is a step ahead gets the version the rollout is generated with."""
+    trainer, samples = (
+        FSDPTrainer(with_args(base_args, keep_old_actor=True, update_weights_interval=1)),
+        make_samples(),
+    )
+    with pytest.raises(RuntimeError, match="no weights kept"):
+        with trainer.rollout_weights_loaded():
+            pass
+    v0 = trainer.compute_log_probs(samples)
+    trainer.after_weight_sync()  # engines get v0
+    train(trainer, 0, samples)  # -> v1, while the engines generate with v0
+    v1, trained = trainer.compute_log_probs(samples), params(trainer)
+    with trainer.rollout_weights_loaded():
+        assert same(trainer.compute_log_probs(samples), v0)
+    assert same(trainer.compute_log_probs(samples), v1)
+    assert same(list(params(trainer).values()), list(trained.values()), atol=0)
+    assert same(trainer.compute_log_probs(samples, "old_actor"), v0)  # the old actor is left as it was
+
+
 def test_keep_old_actor_with_a_longer_interval_takes_the_current_weights_at_each_sync(base_args):
     trainer, samples = (
         FSDPTrainer(with_args(base_args, keep_old_actor=True, update_weights_interval=2)),
@@ -113,7 +134,12 @@ def test_keep_old_actor_with_a_longer_interval_takes_the_current_weights_at_each
     trainer.after_weight_sync()
     train(trainer, 0, samples)
     trainer.after_weight_sync()
-    assert same(trainer.compute_log_probs(samples, "old_actor"), trainer.compute_log_probs(samples))
+    synced = trainer.compute_log_probs(samples)
+    assert same(trainer.compute_log_probs(samples, "old_actor"), synced)
+    train(trainer, 1, samples)  # between two syncs: the engines still hold what the old actor holds
+    with trainer.rollout_weights_loaded():
+        assert same(trainer.compute_log_probs(samples), synced)
+    assert not same(trainer.compute_log_probs(samples), synced, atol=1e-4)
 
 
 # ------------------------------------------------------------------- entropy and --rollout-data-postprocess-path

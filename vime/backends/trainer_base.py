@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -174,6 +175,32 @@ class TrainerBase:
         snapshot = {name: local_shard(param).detach().to("cpu", copy=True) for name, param in current}
         copy_weights(self.old_actor_model, (self._rollout_weights or snapshot).items())
         self._rollout_weights = snapshot
+
+    @contextmanager
+    def rollout_weights_loaded(self) -> Iterator[None]:
+        """Within: the policy holds the weights the engines generate the current rollout with, so engines that lost
+        them can be given that version again (replacements while the actor is a step ahead: ``train_async.py``).
+        ``--keep-old-actor`` has them: kept on the host from the last sync (``--update-weights-interval 1``), else
+        the old actor's (taken at the last sync). The trained weights come back after."""
+        if self.old_actor_model is None or (
+            self.args.update_weights_interval == 1 and self._rollout_weights is None
+        ):
+            raise RuntimeError("no weights kept from the last sync: that needs --keep-old-actor and a sync")
+        engines = (
+            self._rollout_weights.items()
+            if self.args.update_weights_interval == 1
+            else self.old_actor_model.named_parameters()
+        )
+        module = self._trained_module()
+        trained = {
+            name: local_shard(param).detach().to("cpu", copy=True)
+            for name, param in module.named_parameters()
+        }
+        copy_weights(module, engines)
+        try:
+            yield
+        finally:
+            copy_weights(module, trained.items())
 
     def _init_policy_models_and_hooks(
         self, build_frozen: Callable[[str, int | None], Any], is_actor: bool = True

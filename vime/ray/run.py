@@ -97,23 +97,34 @@ class Run:
     def wait_rollout(self, rollout: ray.ObjectRef) -> RolloutBatch:
         """Wait for a rollout from :meth:`generate`. With ``--use-fault-tolerance``, meanwhile: once no engine is
         left to serve (each is a replacement waiting for weights, as after the death of a run's only engine), push
-        the actor's weights to them now, since the sync after this rollout would never come. They are the engines'
-        version, or the next one when the actor has trained since the last sync (train_async.py): no engine serves
-        the old version any more, and the samples are stamped with the version they come from."""
+        weights to them now, since the sync after this rollout would never come: the version the rollout is
+        generated with. When the actor has trained since the last sync (train_async.py), that version is the copy
+        ``--keep-old-actor`` keeps; without the flag the replacements get the actor's weights as the next version
+        (the old log-probs then come from the actor anyway)."""
         if self.args.use_fault_tolerance and self.syncs_weights:
             while not ray.wait([rollout], timeout=self.args.rollout_health_check_interval)[0]:
-                if not (urls := ray.get(self.manager.stranded_engines.remote())):
-                    continue
-                print(
-                    f"[vime] no engine left to serve the rollout; pushing the weights to the replacements {urls}"
-                )
-                if self.trained_since_sync:
-                    self.weight_version += 1
-                    self.trained_since_sync = False
-                self.actor.sync_weights(urls, self.weight_version, self._sync_dir())
-                self.check_engine_weights(urls)
-                ray.get(self.manager.admit_engines.remote(urls, self.weight_version))
+                if urls := ray.get(self.manager.stranded_engines.remote()):
+                    self._serve_stranded(urls)
         return ray.get(rollout)
+
+    def _serve_stranded(self, urls: list[str]) -> None:
+        """Give the replacements ``urls`` (no other engine left) the rollout's weights, check them, admit them."""
+        print(f"[vime] no engine left to serve the rollout; pushing the weights to the replacements {urls}")
+        if self.trained_since_sync and self.args.keep_old_actor:
+            check = (
+                weight_check.check_tokens(self.args.hf_checkpoint)
+                if self.args.check_weight_update_equal
+                else None
+            )
+            _, expected = self.actor.push_rollout_weights(urls, self.weight_version, self._sync_dir(), check)
+            self.check_engine_weights(urls, expected)
+        else:
+            if self.trained_since_sync:
+                self.weight_version += 1
+                self.trained_since_sync = False
+            self.actor.sync_weights(urls, self.weight_version, self._sync_dir())
+            self.check_engine_weights(urls)
+        ray.get(self.manager.admit_engines.remote(urls, self.weight_version))
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """Train the critic (ppo) and, after ``--num-critic-only-steps``, the actor on one rollout."""

@@ -103,6 +103,20 @@ class TrainRayActor:
         self.trainer.after_weight_sync()  # --keep-old-actor: the weights the next rollout is generated with
         return metrics
 
+    def push_rollout_weights(
+        self, engine_urls: list[str], version: int, disk_dir: str | None, check_tokens: list[int] | None
+    ) -> tuple[dict[str, float], list[float] | None]:
+        """Push the weights the current rollout is generated with (``--keep-old-actor``'s kept copy, see
+        ``rollout_weights_loaded``) to ``engine_urls`` as ``version``, and score ``check_tokens`` with them (the
+        weight check's reference), leaving the trained weights and the old actor as they were."""
+        from vime.backends.vllm_utils.weight_sync import sync_weights_from_trainer
+
+        with self.trainer.rollout_weights_loaded():
+            metrics = sync_weights_from_trainer(
+                self.trainer, self.rank, self.args, engine_urls, version, disk_dir
+            )
+            return metrics, self.sequence_log_probs(check_tokens) if check_tokens else None
+
 
 class RayTrainGroup:
     """The actor (or critic) ranks: splits each rollout over data-parallel ranks and calls them together.
@@ -205,3 +219,10 @@ class RayTrainGroup:
     def sync_weights(self, engine_urls: list[str], version: int, disk_dir: str | None) -> dict[str, float]:
         futures = [actor.sync_weights.remote(engine_urls, version, disk_dir) for actor in self.actors]
         return ray.get(futures)[0]
+
+    def push_rollout_weights(
+        self, engine_urls: list[str], version: int, disk_dir: str | None, check_tokens: list[int] | None
+    ) -> tuple[dict[str, float], list[float] | None]:
+        """See ``TrainRayActor.push_rollout_weights``; rank 0's result."""
+        args = (engine_urls, version, disk_dir, check_tokens)
+        return ray.get([actor.push_rollout_weights.remote(*args) for actor in self.actors])[0]
