@@ -24,9 +24,10 @@ from transformers.core_model_loading import Chunk, WeightConverter
 
 from vime.backends.fsdp_utils.checkpoint import load_weights
 from vime.backends.fsdp_utils.trainer import FSDPTrainer
-from vime.backends.fsdp_utils.weights import checkpoint_format, hf_weight_names
+from vime.backends.fsdp_utils.weights import checkpoint_format, hf_weight_names, stacked_suffixes
 from vime.tools.make_tiny_model import VOCAB_SIZE, build_tiny_model, build_tokenizer
 from vime.utils.arguments import parse_args
+from vime.utils.stacked_experts import expand_stacked, parse_stacked
 
 SIZES = dict(
     vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -88,6 +89,34 @@ def test_moe_weight_buckets_are_in_checkpoint_format(moe_dir):
     saved = safetensors_of(moe_dir)
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in saved  # the reference is per expert
     assert_same_tensors(synced_weights(buckets), saved)
+
+
+def test_stacked_moe_weight_buckets_send_fused_experts_as_is(moe_dir):
+    """Weight sync's stacked experts: transformers' in-memory ``gate_up_proj``/``down_proj`` under their stacked keys
+    (no per-expert split), which expand to exactly the checkpoint's per-expert tensors."""
+    trainer = trainer_for(moe_dir)
+    synced = synced_weights(list(trainer.iter_weight_buckets(16 * 1024, stack_experts=True)))
+    stacked = {n: t for n, t in synced.items() if parse_stacked(n)}
+    assert sorted(stacked) == [
+        f"model.layers.{i}.mlp.experts.vime_stacked_{p}" for i in (0, 1) for p in ("w13", "w2")
+    ]
+    in_memory = trainer.model.model.layers[1].mlp.experts
+    assert torch.equal(
+        stacked["model.layers.1.mlp.experts.vime_stacked_w13"], in_memory.gate_up_proj.full_tensor().detach()
+    )
+    assert_same_tensors(dict(expand_stacked(synced.items())), safetensors_of(moe_dir))
+
+
+def test_transposed_fused_experts_are_not_stacked():
+    """A model whose in-memory experts are not vime's stacked layout (qwen3_vl_moe keeps them transposed)."""
+    qwen3_moe = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            **SIZES, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+        )
+    )
+    assert stacked_suffixes(qwen3_moe) == {"mlp.experts.gate_up_proj": "w13", "mlp.experts.down_proj": "w2"}
+    qwen3_moe.config.model_type = "qwen3_vl_moe"
+    assert stacked_suffixes(qwen3_moe) == {}
 
 
 def test_moe_export_hf_is_in_checkpoint_format_and_loads(moe_dir, tmp_path):

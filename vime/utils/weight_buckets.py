@@ -1,14 +1,53 @@
 """Named tensors in buckets of bounded size (the unit every weight-sync transport moves), and a bucket flattened
 into one byte buffer (what the ``distributed`` and ``tensor`` transports send) with a JSON layout to read it back.
+
+A bucket entry may be a :class:`StackedTensor`: equal-shaped parts that travel as one tensor ``[parts, *shape]``
+without ever being stacked in memory (:func:`flatten_bucket` writes the parts straight into the buffer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-Bucket = list[tuple[str, torch.Tensor]]
+
+class StackedTensor:
+    """``torch.stack(parts)``, not yet computed: what a bucket needs of a tensor (``shape``, ``dtype``, ``numel``,
+    ``element_size``, ``unbind``) plus :meth:`write_into`, which stacks the parts straight into a buffer."""
+
+    def __init__(self, parts: Sequence[torch.Tensor]):
+        first = parts[0]
+        if any(p.shape != first.shape or p.dtype != first.dtype for p in parts):
+            raise ValueError(
+                f"stacked parts differ in shape or dtype: {[(tuple(p.shape), p.dtype) for p in parts]}"
+            )
+        self.parts = list(parts)
+        self.shape = torch.Size([len(self.parts), *first.shape])
+        self.dtype = first.dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def unbind(self, dim: int = 0) -> tuple[torch.Tensor, ...]:
+        """The parts (``dim`` must be 0, as for the stacked tensor's ``unbind``)."""
+        if dim != 0:
+            raise ValueError(f"a StackedTensor unbinds along dim 0 only, not {dim}")
+        return tuple(self.parts)
+
+    def write_into(self, out: torch.Tensor) -> None:
+        """Stack the parts into ``out`` (shape :attr:`shape`): one copy, no intermediate tensor."""
+        if out.device == self.parts[0].device:
+            torch.stack([p.detach() for p in self.parts], out=out)  # one batched copy kernel on CUDA
+            return
+        for row, part in zip(out, self.parts, strict=True):
+            row.copy_(part.detach(), non_blocking=True)
+
+
+Bucket = list[tuple[str, torch.Tensor | StackedTensor]]
 ALIGN_BYTES = 64  # every tensor starts at a multiple of this in a flat buffer (any dtype can view it)
 
 
@@ -61,7 +100,10 @@ def flatten_bucket(
     for entry, (_, tensor) in zip(layout, bucket, strict=True):
         size = tensor.numel() * tensor.element_size()
         target = buffer[entry["offset"] : entry["offset"] + size].view(tensor.dtype).view(tensor.shape)
-        target.copy_(tensor.detach(), non_blocking=True)
+        if isinstance(tensor, StackedTensor):
+            tensor.write_into(target)
+        else:
+            target.copy_(tensor.detach(), non_blocking=True)
     return buffer, layout
 
 

@@ -43,6 +43,7 @@ from vime.utils.offload import optimizer_tensors
 from vime.utils.routing_replay import ReplayMode
 from vime.utils.train_data import pack_samples, split_routing
 from vime.utils.types import Sample
+from vime.utils.weight_buckets import Bucket
 
 
 class FSDPTrainer(TrainerBase):
@@ -149,9 +150,10 @@ class FSDPTrainer(TrainerBase):
         params = [p for m in models for p in m.parameters()]
         return params + optimizer_tensors(self.optimizer), [p.grad for p in params]
 
-    def iter_weight_buckets(self, buffer_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF-named full weights in buckets of at most ``buffer_bytes`` (collective; see weights.py)."""
-        return weights.iter_weight_buckets(self.model, buffer_bytes, compute_dtype(self.args))
+    def iter_weight_buckets(self, buffer_bytes: int, stack_experts: bool = False) -> Iterator[Bucket]:
+        """HF-named full weights in buckets of at most ``buffer_bytes`` (collective; see weights.py); with
+        ``stack_experts`` fused MoE experts keep their stacked layout (``vime.utils.stacked_experts``)."""
+        return weights.iter_weight_buckets(self.model, buffer_bytes, compute_dtype(self.args), stack_experts)
 
     # ------------------------------------------------------------------------------------------- forward only
     def _forward(

@@ -14,10 +14,15 @@ Layouts (full, unsharded tensors):
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from vime.utils.stacked_experts import W2, W13, stacked_name
+from vime.utils.weight_buckets import StackedTensor
 
 # kinds of mapping
 PLAIN, QKV, FC1 = "plain", "qkv", "fc1"
@@ -86,6 +91,9 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"local_experts\.(\d+)\.")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"experts\.(\d+)\.")
+_EXPERT_WEIGHT = re.compile(
+    r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$"
+)
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -173,6 +181,36 @@ def to_hf(kind: str, tensor: torch.Tensor, shape: AttentionShape) -> list[torch.
     if kind == FC1:
         return split_fc1(tensor)
     return [tensor]
+
+
+def stack_experts(
+    full: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor | StackedTensor]]:
+    """Canonical ``(name, full tensor)`` pairs, each layer's routed experts consecutive, with those experts replaced
+    by two stacked entries (:mod:`vime.utils.stacked_experts`): ``w13`` (every expert's ``linear_fc1``, which is
+    ``[gate; up]``) and ``w2`` (every ``linear_fc2``). Other pairs pass through."""
+
+    def layer_of(item: tuple[str, torch.Tensor]) -> int | None:
+        match = _EXPERT_WEIGHT.match(item[0])
+        return int(match.group(1)) if match else None
+
+    for layer, group in itertools.groupby(full, key=layer_of):
+        if layer is None:
+            yield from group
+            continue
+        fc: dict[str, dict[int, torch.Tensor]] = {"1": {}, "2": {}}
+        for name, tensor in group:
+            _, expert, which = _EXPERT_WEIGHT.match(name).groups()
+            fc[which][int(expert)] = tensor
+        experts = range(len(fc["1"]))
+        if sorted(fc["1"]) != list(experts) or sorted(fc["2"]) != list(experts):
+            raise ValueError(
+                f"layer {layer}: expert weights to stack must cover experts 0..E-1 for linear_fc1 and linear_fc2, "
+                f"got {sorted(fc['1'])} and {sorted(fc['2'])}"
+            )
+        prefix = f"model.layers.{layer}.mlp.experts"
+        yield stacked_name(prefix, W13), StackedTensor([fc["1"][e] for e in experts])
+        yield stacked_name(prefix, W2), StackedTensor([fc["2"][e] for e in experts])
 
 
 # -------------------------------------------------------------------------------------- tensor parallelism

@@ -61,6 +61,7 @@ from vime.utils.offload import optimizer_tensors
 from vime.utils.routing_replay import ReplayMode
 from vime.utils.train_data import PackedBatch, pack_samples, split_routing
 from vime.utils.types import Sample
+from vime.utils.weight_buckets import Bucket
 
 ROLES = ("actor", "critic")
 
@@ -270,9 +271,12 @@ class MegatronTrainer(TrainerBase):
         main_grads = [getattr(p, "main_grad", None) for p in params]
         return params + optimizer_tensors(self.optimizer), grad_buffers + main_grads
 
-    def iter_weight_buckets(self, buffer_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF-named full weights (gathered over TP/PP/EP) in buckets of at most ``buffer_bytes``; collective."""
-        return weights.iter_weight_buckets(self.module, self.hf_vocab_size, buffer_bytes, self.dtype)
+    def iter_weight_buckets(self, buffer_bytes: int, stack_experts: bool = False) -> Iterator[Bucket]:
+        """HF-named full weights (gathered over TP/PP/EP) in buckets of at most ``buffer_bytes``; collective. With
+        ``stack_experts`` the routed experts come stacked per layer (``vime.utils.stacked_experts``)."""
+        return weights.iter_weight_buckets(
+            self.module, self.hf_vocab_size, buffer_bytes, self.dtype, stack_experts
+        )
 
     # ------------------------------------------------------------------------------------------ forward only
     def _before_log_probs(self, net, samples: list[Sample], model: str) -> None:

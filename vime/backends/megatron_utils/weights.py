@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from vime.backends.megatron_utils import hf_mapping
 from vime.backends.megatron_utils.hf_mapping import AttentionShape
-from vime.utils.weight_buckets import Bucket, in_buckets
+from vime.utils.weight_buckets import Bucket, StackedTensor, in_buckets
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"local_experts\.(\d+)\.")
@@ -191,9 +191,13 @@ def _sort_key(canonical: str) -> tuple:
     return (2, 0, 0, canonical)
 
 
-def iter_hf_tensors(model, hf_vocab_size: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    model, hf_vocab_size: int, dtype: torch.dtype, stack_experts: bool = False
+) -> Iterator[tuple[str, torch.Tensor | StackedTensor]]:
     """Every HF tensor of the model, full, on every rank, in layer order (collective: all ranks iterate to the
-    end in step). Tied output layers are left out (HF ties ``lm_head`` to the embedding)."""
+    end in step). Tied output layers are left out (HF ties ``lm_head`` to the embedding). With ``stack_experts``
+    each MoE layer's routed experts come as two stacked tensors (``hf_mapping.stack_experts``), never copied into
+    one before they are flattened."""
     tied = (
         model.share_embeddings_and_output_weights
         if hasattr(model, "share_embeddings_and_output_weights")
@@ -225,24 +229,34 @@ def iter_hf_tensors(model, hf_vocab_size: int, dtype: torch.dtype) -> Iterator[t
                 owner.setdefault(name, (rank, full_shape, dt))
         order = [(name, *owner[name]) for name in sorted(owner, key=_sort_key)]
     device = torch.device("cuda", torch.cuda.current_device())
-    for item in order:
-        name = item[0]
+
+    def canonical_full() -> Iterator[tuple[str, torch.Tensor]]:
+        for item in order:
+            name = item[0]
+            entry = entries.get(name)
+            full = _gather_tp(entry) if entry is not None else None
+            if not single_holder:
+                src, full_shape, dt = item[1], item[2], item[3]
+                if full is None:
+                    full = torch.empty(full_shape, dtype=getattr(torch, dt), device=device)
+                full = full.contiguous()
+                dist.broadcast(full, src=src)
+            if name in hf_mapping.VOCAB_PARAMS:
+                full = full[:hf_vocab_size]
+            yield name, (full.to(dtype) if full.is_floating_point() else full)
+
+    named = hf_mapping.stack_experts(canonical_full()) if stack_experts else canonical_full()
+    for name, full in named:
+        if isinstance(full, StackedTensor):
+            yield name, full
+            continue
         entry = entries.get(name)
-        full = _gather_tp(entry) if entry is not None else None
-        if not single_holder:
-            src, full_shape, dt = item[1], item[2], item[3]
-            if full is None:
-                full = torch.empty(full_shape, dtype=getattr(torch, dt), device=device)
-            full = full.contiguous()
-            dist.broadcast(full, src=src)
-        kind = entry.kind if entry is not None else hf_mapping.hf_names(name)[1]
-        names = entry.hf_names if entry is not None else hf_mapping.hf_names(name)[0]
-        if name in hf_mapping.VOCAB_PARAMS:
-            full = full[:hf_vocab_size]
-        for hf_name, tensor in zip(names, hf_mapping.to_hf(kind, full, shape), strict=True):
-            yield hf_name, (tensor.to(dtype) if tensor.is_floating_point() else tensor)
+        names, kind = (entry.hf_names, entry.kind) if entry is not None else hf_mapping.hf_names(name)
+        yield from zip(names, hf_mapping.to_hf(kind, full, shape), strict=True)
 
 
-def iter_weight_buckets(model, hf_vocab_size: int, buffer_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]:
+def iter_weight_buckets(
+    model, hf_vocab_size: int, buffer_bytes: int, dtype: torch.dtype, stack_experts: bool = False
+) -> Iterator[Bucket]:
     """:func:`iter_hf_tensors` grouped into lists of at most ``buffer_bytes`` (a larger tensor is alone)."""
-    return in_buckets(iter_hf_tensors(model, hf_vocab_size, dtype), buffer_bytes)
+    return in_buckets(iter_hf_tensors(model, hf_vocab_size, dtype, stack_experts), buffer_bytes)

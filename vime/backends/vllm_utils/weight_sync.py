@@ -122,7 +122,10 @@ def sync_weights_from_trainer(
     disk_dir: str | None,
 ) -> dict[str, float]:
     """Blocking entry for a training rank (every rank calls it): the trainer's weights in buckets of
-    ``--update-weight-buffer-size`` bytes over ``--update-weight-transport``."""
+    ``--update-weight-buffer-size`` bytes over ``--update-weight-transport`` (MoE experts stacked where the transport
+    moves them so)."""
     transport = make_transport(args, engine_urls, disk_dir, rank)
-    buckets = trainer.iter_weight_buckets(args.update_weight_buffer_size)
+    buckets = trainer.iter_weight_buckets(
+        args.update_weight_buffer_size, stack_experts=transport.stacks_experts
+    )
     return sync_weights(engine_urls, buckets, transport, version, rank)

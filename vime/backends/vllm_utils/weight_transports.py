@@ -13,7 +13,8 @@ move and the bytes already staged) and ``move`` (engines paused; returns the byt
   staging buffer shared once per sync through CUDA IPC; the worker loads straight from it.
 
 ``distributed`` and ``tensor`` pipeline two buckets: the next bucket is gathered and flattened (into the other of
-two staging buffers) while the engines load the previous one.
+two staging buffers) while the engines load the previous one. They move MoE experts stacked, one tensor per layer
+and projection (``vime.utils.stacked_experts``; ``stacks_experts``); ``disk`` writes HF per-expert tensors.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from vime.utils.weight_buckets import Bucket, flatten_bucket, with_last_flag
 
 
 class Transport(Protocol):
+    stacks_experts: bool  # whether the buckets it moves may hold stacked experts (vime.utils.stacked_experts)
+
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]: ...
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int: ...
@@ -73,6 +76,8 @@ class DiskTransport:
     ``keep_files``. Each sync also writes a fresh token there, and every engine must read it back before reloading:
     an engine on a node where the directory is not shared (or is another directory of the same name) would load
     nothing or stale weights."""
+
+    stacks_experts = False  # vLLM reads the files as an HF checkpoint
 
     def __init__(
         self,
@@ -136,6 +141,8 @@ class DistributedTransport:
     are ranks ``1 + i * workers_per_engine + worker rank``), built at the first sync and reused. If a move fails
     (e.g. an engine died) the group may be left mid-collective: it is closed, which also frees the workers of the
     live engines still waiting in it, and the next sync builds a new one."""
+
+    stacks_experts = True
 
     def __init__(
         self,
@@ -230,6 +237,8 @@ class TensorTransport:
     ``w`` shares a GPU with training rank ``i * workers_per_engine + w``). Per bucket every sharing rank flattens
     it into a staging buffer, rank 0 gathers the buffers' handles and layouts and has every worker load its own,
     and every rank learns whether that worked (so an engine error fails all ranks on the same bucket)."""
+
+    stacks_experts = True
 
     def __init__(self, num_workers: int, workers_per_engine: int):
         self.num_workers = num_workers

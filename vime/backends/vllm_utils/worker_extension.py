@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from vime.backends.vllm_utils.cuda_ipc import open_cuda_buffer
+from vime.backends.vllm_utils.stacked_expert_loader import load_weights
 from vime.utils.distributed import tcp_store
+from vime.utils.stacked_experts import expand_stacked
 from vime.utils.weight_buckets import unflatten_bucket
 
 STORE_PREFIX = "vime_weight_sync"
@@ -142,16 +144,17 @@ class VimeWorkerExtension:
             torch.cuda.ipc_collect()
 
     def _vime_load(self, weights: list[tuple[str, torch.Tensor]], final: bool) -> None:
-        """Load one bucket of HF-named weights. On GPU straight into the model (``load_weights`` copies them, so
-        the bucket's buffer can go). On CPU vLLM repacks loaded weights into kernel formats and drops their
-        loaders, so buckets are kept until the ``final`` one and the whole model is reloaded at once (its
-        layer-wise reload also treats layers missing from a partial iterator as failed)."""
+        """Load one bucket of HF-named weights and stacked experts (``vime.utils.stacked_experts``). On GPU straight
+        into the model (``stacked_expert_loader.load_weights``: the loads copy, so the bucket's buffer can go). On CPU
+        vLLM repacks loaded weights into kernel formats and drops their loaders, so buckets are kept (stacked experts
+        as HF per-expert views) until the ``final`` one and the whole model is reloaded at once (its layer-wise
+        reload also treats layers missing from a partial iterator as failed)."""
         if torch.cuda.is_available():
-            self.model_runner.get_model().load_weights(weights=weights)
+            load_weights(self.model_runner.get_model(), weights)
             torch.cuda.synchronize()
             return
         staged = self.__dict__.setdefault("_vime_staged_weights", [])
-        staged.extend(weights)
+        staged.extend(expand_stacked(weights))
         if final:
             self.reload_weights(weights_iterator=list(staged), is_checkpoint_format=True)
             staged.clear()
