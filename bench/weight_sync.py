@@ -1,10 +1,17 @@
 """Weight-sync throughput: a trainer in this process pushes its bf16 weights into a real vLLM engine, as
 ``train.py`` does, over each ``--transport`` (GB/s of weights moved, pause to resume), next to the GPU's
-device-to-device copy bandwidth measured in the same run. After each sync the engine's log-probs of a fixed
-sequence are checked against the trainer's.
+device-to-device copy bandwidth measured in the same run. MoE experts go stacked (one tensor per layer and
+projection, what ``train.py`` sends over ``tensor``/``distributed``) or per expert (``--expert-layouts``).
+
+Cases (transport x expert layout; ``disk`` always writes per-expert HF files) alternate within each repeat; the
+first repeat is a warm-up. Before every sync the trainer's weights are perturbed (noise), and after it the engine's
+log-probs of a fixed sequence must match the trainer's within ``--logprob-tol`` while the engine's log-probs from
+before the sync must not (so a sync that loads nothing fails). The JSON (median, min, max per case) is rewritten
+after every repeat.
 
     python bench/weight_sync.py --shape 4b --transports tensor disk          # one GPU: the engine beside the trainer
     python bench/weight_sync.py --shape 4b --transports distributed          # two GPUs: the engine on the second
+    python bench/weight_sync.py --shape 30b-a3b-4l --transports tensor --expert-layouts stacked per-expert --repeats 5
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from bench.shapes import build_shape, trainer_flags, write_result  # noqa: E402
 
@@ -54,18 +62,50 @@ def engine_log_probs(url: str, model: str) -> torch.Tensor:
     return torch.tensor([e[str(t)]["logprob"] for e, t in zip(entries[1:], SEQUENCE[1:], strict=True)])
 
 
+@torch.no_grad()
+def perturb(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Add noise of half each weight matrix's standard deviation to it (norms and biases are left as they are)."""
+    for param in model.parameters():
+        if isinstance(param, DTensor):  # FSDP2: this rank's shard
+            param = param.to_local()
+        if param.dim() >= 2 and param.is_floating_point():
+            noise = torch.randn(
+                param.shape, generator=generator, device=generator.device, dtype=torch.float32
+            )
+            param.add_((noise * (0.5 * param.float().std())).to(param.dtype))
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median, min and max GB/s and seconds of a case's timed syncs, its bytes and its log-prob checks."""
+    rates = [r["gb_per_s"] for r in runs]
+    return {
+        "gb_per_s": statistics.median(rates),
+        "gb_per_s_min": min(rates),
+        "gb_per_s_max": max(rates),
+        "time_s": statistics.median(r["time_s"] for r in runs),
+        "bytes": runs[-1]["bytes"],
+        "engine_vs_trainer_logprob_abs_diff_max": max(r["logprob_diff"] for r in runs),
+        "stale_logprob_abs_diff_min": min(r["stale_logprob_diff"] for r in runs),
+        "runs": runs,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="4b")
     p.add_argument("--backend", choices=["megatron", "fsdp"], default="megatron")
     p.add_argument("--transports", nargs="+", default=["tensor", "disk"])
     p.add_argument("--buffer-size-mb", type=int, default=1024, help="--update-weight-buffer-size")
-    p.add_argument("--repeats", type=int, default=3, help="timed syncs per transport after a warm-up one")
+    p.add_argument("--expert-layouts", nargs="+", choices=["stacked", "per-expert"], default=["stacked"])
+    p.add_argument("--repeats", type=int, default=5, help="timed syncs per case after a warm-up one")
+    p.add_argument(
+        "--logprob-tol", type=float, default=0.05, help="mean |engine - trainer| log-prob bound (bf16)"
+    )
     p.add_argument("--out", default=None)
     opts = p.parse_args()
 
     from vime.backends.vllm_utils.engine import VLLMEngine
-    from vime.backends.vllm_utils.weight_sync import sync_weights_from_trainer
+    from vime.backends.vllm_utils.weight_sync import make_transport, sync_weights
     from vime.utils.arguments import parse_args
     from vime.utils.distributed import init_distributed
     from vime.utils.types import Sample, Status
@@ -88,37 +128,68 @@ def main() -> None:
     else:
         from vime.backends.fsdp_utils.trainer import FSDPTrainer as Trainer
     trainer = Trainer(args)
-    want = trainer.compute_log_probs(
-        [Sample(index=0, tokens=SEQUENCE, response_length=len(SEQUENCE) - 1, status=Status.COMPLETED)]
-    )[0]
+    model = trainer.module if opts.backend == "megatron" else trainer.model
+    sample = Sample(index=0, tokens=SEQUENCE, response_length=len(SEQUENCE) - 1, status=Status.COMPLETED)
     ceiling = copy_bandwidth_gb_s()
     gpu = "1" if split else os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     engine = VLLMEngine(
         args, log_path=work / "engine.log", extra_args=EXTENSION, env={"CUDA_VISIBLE_DEVICES": gpu}
     )
-    results = {}
+    cases = [
+        (transport, layout)
+        for transport in opts.transports
+        for layout in (["per-expert"] if transport == "disk" else opts.expert_layouts)
+    ]
+    runs: dict[str, list[dict]] = {f"{t}/{layout}": [] for t, layout in cases}
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    name = f"weight_sync_{opts.backend}_{opts.shape}_{'2gpu' if split else '1gpu'}"
+    version = 0
     try:
         engine.start().wait_ready_sync()
-        for transport in opts.transports:
-            args.update_weight_transport = transport
-            runs = [
-                sync_weights_from_trainer(trainer, 0, args, [engine.url], version, str(work / "weights"))
-                for version in range(opts.repeats + 1)
-            ]
-            diff = float((engine_log_probs(engine.url, str(model_dir)) - want).abs().mean())
-            rates = [r["weight_sync/gb_per_s"] for r in runs[1:]]
-            results[transport] = {
-                "gb_per_s": statistics.median(rates),
-                "time_s": statistics.median(r["weight_sync/time_s"] for r in runs[1:]),
-                "bytes": runs[-1]["weight_sync/bytes"],
-                "engine_vs_trainer_logprob_abs_diff": diff,
-                "runs": rates,
-            }
-            print(f"[bench] {transport}: {results[transport]}", flush=True)
+        for repeat in range(opts.repeats + 1):
+            for transport_name, layout in cases:
+                args.update_weight_transport = transport_name
+                transport = make_transport(args, [engine.url], str(work / "weights"), 0)
+                perturb(model, generator)
+                want = trainer.compute_log_probs([sample])[0]
+                before = engine_log_probs(engine.url, str(model_dir))
+                buckets = trainer.iter_weight_buckets(
+                    args.update_weight_buffer_size,
+                    stack_experts=layout == "stacked" and transport.stacks_experts,
+                )
+                version += 1
+                metrics = sync_weights([engine.url], buckets, transport, version)
+                diff = float((engine_log_probs(engine.url, str(model_dir)) - want).abs().mean())
+                stale = float((before - want).abs().mean())
+                run = {
+                    "gb_per_s": metrics["weight_sync/gb_per_s"],
+                    "time_s": metrics["weight_sync/time_s"],
+                    "bytes": metrics["weight_sync/bytes"],
+                    "logprob_diff": diff,
+                    "stale_logprob_diff": stale,
+                }
+                print(f"[bench] repeat {repeat} {transport_name}/{layout}: {run}", flush=True)
+                if diff > opts.logprob_tol or stale <= opts.logprob_tol:
+                    raise SystemExit(
+                        f"{transport_name}/{layout}: engine vs trainer log-probs differ by {diff:.3g} after the sync "
+                        f"and by {stale:.3g} before it; the bound is {opts.logprob_tol} (--logprob-tol): the sync "
+                        "did not load the trainer's weights, or the perturbation does not show"
+                    )
+                if repeat > 0:
+                    runs[f"{transport_name}/{layout}"].append(run)
+            if repeat > 0:
+                write_summary(opts, name, ceiling, {case: summarize(r) for case, r in runs.items()})
     finally:
         engine.stop()
-    name = f"weight_sync_{opts.backend}_{opts.shape}_{'2gpu' if split else '1gpu'}"
-    summary = ", ".join(f"{t} {r['gb_per_s']:.1f} GB/s ({r['time_s']:.2f} s)" for t, r in results.items())
+
+
+def write_summary(opts: argparse.Namespace, name: str, ceiling: float, results: dict[str, dict]) -> None:
+    """The benchmark's JSON with every case's figures so far."""
+    summary = ", ".join(
+        f"{case} {r['gb_per_s']:.1f} GB/s ({r['gb_per_s_min']:.1f}-{r['gb_per_s_max']:.1f}, {r['time_s']:.3f} s)"
+        for case, r in results.items()
+    )
+    repeats = min(len(r["runs"]) for r in results.values())
     write_result(
         opts.out or f"bench/results/{name}.json",
         {
@@ -127,11 +198,13 @@ def main() -> None:
                 "shape": opts.shape,
                 "backend": opts.backend,
                 "buffer_mb": opts.buffer_size_mb,
-                "engine_gpu": "second GPU" if split else "the trainer's GPU",
+                "engine_gpu": "second GPU" if "distributed" in opts.transports else "the trainer's GPU",
+                "repeats": repeats,
+                "logprob_tol": opts.logprob_tol,
             },  # fmt: skip
             "device_copy_gb_per_s": ceiling,
-            "transports": results,
-            "summary": f"{name}: {summary}; device copy {ceiling:.0f} GB/s",
+            "cases": results,
+            "summary": f"{name} (median of {repeats}, min-max): {summary}; device copy {ceiling:.0f} GB/s",
         },
     )
 

@@ -226,7 +226,8 @@ def test_bucket_load_writes_stacked_experts_and_passes_the_rest_to_load_weights(
     w13, w2 = stacked_pair(seed=3)
     model = FakeModel(Runner(routed_experts(2, 1, 2, 0)))
     norm = ("model.norm.weight", torch.ones(H))
-    load_weights(model, [norm, (stacked_name(PREFIX, "w13"), w13), (stacked_name(PREFIX, "w2"), w2)])
+    counts = load_weights(model, [norm, (stacked_name(PREFIX, "w13"), w13), (stacked_name(PREFIX, "w2"), w2)])
+    assert counts == (2, 0)
     assert [n for n, _ in model.loaded] == ["model.norm.weight"]
     reference = routed_experts(2, 1, 2, 0)
     list(reference.load_weights([(n.removeprefix(PREFIX + "."), t) for n, t in per_expert(w13, w2).items()]))
@@ -236,7 +237,10 @@ def test_bucket_load_writes_stacked_experts_and_passes_the_rest_to_load_weights(
 def test_bucket_load_falls_back_to_per_expert_names_without_a_fused_layer():
     w13, w2 = stacked_pair(seed=4)
     model = FakeModel(None)
-    load_weights(model, [(stacked_name(PREFIX, "w13"), w13), (stacked_name(PREFIX, "w2"), w2)])
+    assert load_weights(model, [(stacked_name(PREFIX, "w13"), w13), (stacked_name(PREFIX, "w2"), w2)]) == (
+        0,
+        2,
+    )
     got = dict(model.loaded)
     want = per_expert(w13, w2)
     assert sorted(got) == sorted(want)

@@ -18,19 +18,24 @@ from vime.utils.stacked_experts import W13, expand_stacked, parse_stacked
 Weights = Iterable[tuple[str, torch.Tensor]]
 
 
-def load_weights(model: nn.Module, weights: Weights) -> None:
+def load_weights(model: nn.Module, weights: Weights) -> tuple[int, int]:
     """Load one bucket into ``model``: stacked experts of a layer vime can write (:func:`fused_experts`) directly,
-    the other stacked experts expanded to HF per-expert views, and everything else through ``model.load_weights``."""
+    the other stacked experts expanded to HF per-expert views, and everything else through ``model.load_weights``.
+    Returns how many stacked tensors were written directly and how many were expanded."""
     per_name = []
+    written = expanded = 0
     for name, tensor in weights:
         parsed = parse_stacked(name)
         layer = fused_experts(model, parsed[0]) if parsed else None
-        if layer is None:
-            per_name.append((name, tensor))
-        else:
+        if layer is not None:
             write_stacked(layer, parsed[1], tensor)
+            written += 1
+            continue
+        per_name.append((name, tensor))
+        expanded += parsed is not None
     if per_name:
         model.load_weights(weights=list(expand_stacked(per_name)))
+    return written, expanded
 
 
 def fused_experts(model: nn.Module, experts: str) -> nn.Module | None:

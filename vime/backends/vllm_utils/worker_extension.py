@@ -14,7 +14,9 @@ The weight group is a standalone process group (a ``TCPStore`` hosted by the tra
 from __future__ import annotations
 
 import json
+import logging
 import socket
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -27,6 +29,8 @@ from vime.utils.distributed import tcp_store
 from vime.utils.stacked_experts import expand_stacked
 from vime.utils.weight_buckets import unflatten_bucket
 
+# under vLLM's logger, so that its lines land in the engine's log in vLLM's format
+logger = logging.getLogger("vllm.vime.weight_sync")
 STORE_PREFIX = "vime_weight_sync"
 # The disk transport's proof that an engine reads the directory the trainer wrote.
 SYNC_TOKEN_FILE = "vime_sync_token.txt"
@@ -150,8 +154,17 @@ class VimeWorkerExtension:
         as HF per-expert views) until the ``final`` one and the whole model is reloaded at once (its layer-wise
         reload also treats layers missing from a partial iterator as failed)."""
         if torch.cuda.is_available():
-            load_weights(self.model_runner.get_model(), weights)
+            written, expanded = load_weights(self.model_runner.get_model(), weights)
             torch.cuda.synchronize()
+            stacked = self.__dict__.setdefault("_vime_stacked_counts", Counter())
+            stacked.update(written=written, expanded=expanded)
+            if final and stacked.total():
+                logger.info(
+                    "vime weight sync: %d stacked expert tensors written into fused-MoE layers, %d loaded per expert",
+                    stacked["written"],
+                    stacked["expanded"],
+                )
+                stacked.clear()
             return
         staged = self.__dict__.setdefault("_vime_staged_weights", [])
         staged.extend(expand_stacked(weights))
