@@ -11,10 +11,13 @@ import torch
 
 from vime.backends.fsdp_utils.trainer import FSDPTrainer
 from vime.backends.vllm_utils.control_client import EngineControlClient
+from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
 from vime.backends.vllm_utils.weight_sync import sync_weights
 from vime.backends.vllm_utils.weight_transports import DiskTransport, DistributedTransport
+from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils import weight_check
 from vime.utils.async_utils import run
+from vime.utils.stacked_experts import parse_stacked
 from vime.utils.types import Sample, Status
 
 pytestmark = pytest.mark.e2e
@@ -118,3 +121,27 @@ def test_sync_makes_the_engine_match_the_trainer(transport, tiny_model_dir, make
     body = {"model": model_name(engine.url), "prompt": SEQUENCE[:4], "max_tokens": 4, "temperature": 0}
     choice = post(engine.url + "/v1/completions", body)["choices"][0]
     assert choice["finish_reason"] in ("length", "stop")
+
+
+def test_stacked_moe_sync_makes_the_engine_match_the_trainer(make_args, engine_factory, tmp_path):
+    """A tiny MoE over ``distributed`` with its experts stacked, as ``train.py`` sends them: the CPU worker expands
+    them to per-expert HF views for ``reload_weights``, and the engine then matches the trainer."""
+    moe_dir = build_tiny_model(tmp_path / "moe", seed=0, num_experts=4, num_experts_per_tok=2, num_train=8)
+    engine = engine_factory(moe_dir, extra_args=("--worker-extension-cls", WORKER_EXTENSION_CLS))
+    trainer = FSDPTrainer(make_args(moe_dir, "--lr", "0.05", "--weight-decay", "0"))
+    old = trainer_log_probs(trainer)
+    assert (engine_log_probs(engine.url, SEQUENCE) - old).abs().mean() < 1e-3
+    train_steps(trainer)
+    new = trainer_log_probs(trainer)
+    assert (new - old).abs().mean() > 1e-2
+
+    mover = DistributedTransport([engine.url], workers_per_engine=1, rank=0, timeout_s=120)
+    buckets = list(trainer.iter_weight_buckets(64 * 1024, stack_experts=mover.stacks_experts))
+    assert (
+        sum(1 for bucket in buckets for name, _ in bucket if parse_stacked(name)) == 2 * 2
+    )  # w13, w2 x 2 layers
+    try:
+        sync_weights([engine.url], iter(buckets), mover, 1)
+    finally:
+        mover.close()
+    assert (engine_log_probs(engine.url, SEQUENCE) - new).abs().mean() < 1e-3

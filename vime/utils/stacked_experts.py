@@ -15,8 +15,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from vime.utils.weight_buckets import StackedTensor
-
 W13, W2 = "w13", "w2"
 _STACKED = re.compile(r"^(?P<experts>.+)\.vime_stacked_(?P<proj>w13|w2)$")
 
@@ -34,9 +32,7 @@ def parse_stacked(name: str) -> tuple[str, str] | None:
     return (match["experts"], match["proj"]) if match else None
 
 
-def expand_stacked(
-    named: Iterable[tuple[str, torch.Tensor | StackedTensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
+def expand_stacked(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``named`` with every stacked tensor replaced by its HF per-expert tensors (views of it, no copy)."""
     for name, tensor in named:
         parsed = parse_stacked(name)

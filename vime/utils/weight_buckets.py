@@ -14,7 +14,7 @@ import torch
 
 class StackedTensor:
     """``torch.stack(parts)``, not yet computed: what a bucket needs of a tensor (``shape``, ``dtype``, ``numel``,
-    ``element_size``, ``unbind``) plus :meth:`write_into`, which stacks the parts straight into a buffer."""
+    ``element_size``) plus :meth:`write_into`, which stacks the parts straight into a buffer."""
 
     def __init__(self, parts: Sequence[torch.Tensor]):
         first = parts[0]
@@ -32,26 +32,19 @@ class StackedTensor:
     def element_size(self) -> int:
         return self.dtype.itemsize
 
-    def unbind(self, dim: int = 0) -> tuple[torch.Tensor, ...]:
-        """The parts (``dim`` must be 0, as for the stacked tensor's ``unbind``)."""
-        if dim != 0:
-            raise ValueError(f"a StackedTensor unbinds along dim 0 only, not {dim}")
-        return tuple(self.parts)
-
     def write_into(self, out: torch.Tensor) -> None:
-        """Stack the parts into ``out`` (shape :attr:`shape`): one copy, no intermediate tensor."""
-        if out.device == self.parts[0].device:
-            torch.stack([p.detach() for p in self.parts], out=out)  # one batched copy kernel on CUDA
-            return
-        for row, part in zip(out, self.parts, strict=True):
-            row.copy_(part.detach(), non_blocking=True)
+        """Stack the parts into ``out`` (shape :attr:`shape`, the parts' device): one copy (on CUDA one batched copy
+        kernel), no intermediate tensor."""
+        torch.stack([p.detach() for p in self.parts], out=out)
 
 
 Bucket = list[tuple[str, torch.Tensor | StackedTensor]]
 ALIGN_BYTES = 64  # every tensor starts at a multiple of this in a flat buffer (any dtype can view it)
 
 
-def in_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], buffer_bytes: int) -> Iterator[Bucket]:
+def in_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor | StackedTensor]], buffer_bytes: int
+) -> Iterator[Bucket]:
     """Consecutive ``(name, tensor)`` pairs in lists of at most ``buffer_bytes`` (a larger tensor is alone)."""
     bucket: Bucket = []
     size = 0

@@ -50,6 +50,7 @@ def fused_experts(model: nn.Module, experts: str) -> nn.Module | None:
     module = getattr(module, "routed_experts", module)
     if not isinstance(getattr(module, "w13_weight", None), nn.Parameter):
         return None
+    # vLLM is there inside its workers; the trainer side imports this module without it (worker_extension)
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     config = module.moe_config
