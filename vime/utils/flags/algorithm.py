@@ -35,6 +35,32 @@ ALGORITHM = [
         "--normalize-advantages",
         dict(action="store_true", help="Whiten advantages over the data-parallel batch."),
     ),
+    (
+        "--pg-loss-type",
+        dict(
+            default=None,
+            choices=["ppo", "reinforce"],
+            help="Policy-gradient objective (slime): ppo (clipped ratio) or reinforce (−A·logp, no ratio). "
+            "Default: reinforce with --use-score-centering, else ppo.",
+        ),
+    ),
+    (
+        "--use-score-centering",
+        dict(
+            action="store_true",
+            help="REINFORCE with score centering (slime; arXiv:2609.20807): subtract the sampler's expected score, "
+            "estimated from its top-k head (--score-centering-top-k) and a modeled tail, so a constant advantage "
+            "gives no gradient; composes with --use-tis (TIS or icepop). Needs untruncated sampling (--rollout-top-p "
+            "1, --rollout-top-k -1), --train-backend fsdp, and samples that carry the sampler's head "
+            "(rollout_topk_token_ids / rollout_topk_log_probs).",
+        ),
+    ),
+    (
+        "--score-centering-top-k",
+        dict(
+            type=int, default=128, help="Score centering: the sampler's most likely tokens kept per position."
+        ),
+    ),
     ("--eps-clip", dict(type=float, default=0.2, help="PPO clip range (lower).")),
     ("--eps-clip-high", dict(type=float, default=None, help="PPO clip range (upper; default --eps-clip).")),
     ("--eps-clip-c", dict(type=float, default=None, help="Dual-clip constant (> 1).")),

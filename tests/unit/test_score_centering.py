@@ -1,0 +1,163 @@
+"""--pg-loss-type reinforce and --use-score-centering (slime; arXiv:2609.20807) on hand-worked numbers.
+
+The case used throughout: one response token, vocabulary of 4, the trainer's distribution
+``p = [1/2, 1/4, 1/8, 1/8]`` (logits ``log p``, temperature 1), the sampler's top-2 head the tokens {0, 1} with
+``q = [0.4, 0.4]``, the sampled token 0, advantage ``A = 2``.
+Head masses ``P = 0.75``, ``Q = 0.8``; the tail ratio ``ρ = (1 − Q) / (1 − P) = 0.2 / 0.25 = 0.8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from vime.utils import ppo_utils
+from vime.utils.arguments import parse_args
+from vime.utils.loss import make_reducer, policy_loss
+
+P = torch.tensor([0.5, 0.25, 0.125, 0.125])
+HEAD_IDS = torch.tensor([[0, 1]])
+Q_HEAD = torch.tensor([[0.4, 0.4]])
+ADVANTAGE = 2.0
+LOG_P0, LOG_P1 = math.log(0.5), math.log(0.25)
+
+
+def _args(**overrides) -> argparse.Namespace:
+    base = dict(advantage_estimator="grpo", pg_loss_type="reinforce", use_score_centering=True, use_tis=False,
+                custom_tis_function_path=None, tis_clip=2.0, tis_clip_low=0.0, eps_clip=0.2, eps_clip_high=0.2,
+                eps_clip_c=None, entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1",
+                use_unbiased_kl=False, use_opsm=False, custom_pg_loss_reducer_function_path=None)  # fmt: skip
+    return argparse.Namespace(**{**base, **overrides})
+
+
+def _loss(args: argparse.Namespace) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """policy_loss of the one-token case; returns the loss, its metrics and d loss / d logits."""
+    logits = P.log().clone().requires_grad_()
+    log_probs = ppo_utils.log_probs_from_logits(logits[None], torch.tensor([0]))
+    mask = torch.ones(1)
+    batch = {
+        "response_lengths": [1], "loss_mask": mask, "advantages": torch.tensor([ADVANTAGE]),
+        "old_log_probs": log_probs.detach(), "ref_log_probs": None,
+        "rollout_log_probs": torch.tensor([math.log(0.4)]), "reduce": make_reducer(mask, [1], False, 1, 1),
+        "rollout_topk_log_probs": Q_HEAD.log(),
+        "train_topk_log_probs": ppo_utils.head_log_probs_from_logits(logits[None], HEAD_IDS),
+    }  # fmt: skip
+    loss, metrics = policy_loss(args, batch, log_probs, None)
+    (grad,) = torch.autograd.grad(loss, logits)
+    return loss, metrics, grad
+
+
+def test_correction_without_importance_weights():
+    # α = ρ = 0.8; coefficients q − α·p over the head = [0.4 − 0.4, 0.4 − 0.2] = [0, 0.2];
+    # correction = 0.2·log(1/4) = −0.2772589
+    correction, q_mass, p_mass = ppo_utils.score_centering_correction(P.log()[HEAD_IDS], Q_HEAD.log())
+    assert correction.item() == pytest.approx(0.2 * LOG_P1, abs=1e-6)
+    assert q_mass.item() == pytest.approx(0.8) and p_mass.item() == pytest.approx(0.75)
+
+
+def test_score_centered_loss_and_gradient():
+    # loss = −A·(logp_0 − c) = −2·(−0.6931472 + 0.2772589) = 0.8317766
+    loss, metrics, grad = _loss(_args())
+    assert loss.item() == pytest.approx(-ADVANTAGE * (LOG_P0 - 0.2 * LOG_P1), abs=1e-6)
+    assert metrics["sc_correction"].item() == pytest.approx(0.2 * LOG_P1, abs=1e-6)
+    assert metrics["sc_sampler_head_mass"].item() == pytest.approx(0.8)
+    assert metrics["sc_train_head_mass"].item() == pytest.approx(0.75)
+    # ∇_z logp_j = e_j − p, so the gradient is −A·(e_0 − p − 0.2·(e_1 − p)) = −A·(e_0 − 0.2·e_1 − 0.8·p)
+    # = −2·[0.6, −0.4, −0.1, −0.1] = [−1.2, 0.8, 0.2, 0.2]. It equals the dense form −A·(e_0 − q̂) with the
+    # modeled sampler q̂ = [0.4, 0.4, ρ/8, ρ/8] = [0.4, 0.4, 0.1, 0.1].
+    torch.testing.assert_close(grad, torch.tensor([-1.2, 0.8, 0.2, 0.2]))
+
+
+def test_score_centered_loss_with_tis():
+    # --use-tis, bounds [0, 1.2]: the sampled token's ratio p/q = 0.5/0.4 = 1.25 → w = 1.2; head weights
+    # [1.2, 0.625]; α = ρ·w(1/ρ) = 0.8·w(1.25) = 0.96; coefficients [0.4·1.2 − 0.96·0.5, 0.4·0.625 − 0.96·0.25]
+    # = [0, 0.01]; c = 0.01·log(1/4) = −0.0138629; loss = −2·(1.2·log(1/2) + 0.0138629) = 1.6358274
+    loss, _, _ = _loss(_args(use_tis=True, tis_clip=1.2))
+    assert loss.item() == pytest.approx(1.6358274, abs=1e-6)
+
+
+def test_icepop_drops_tokens_outside_the_band():
+    # icepop, band [0, 1.2]: ratio 1.25 is outside → w = 0 for the sampled token and for head token 0; head
+    # token 1 keeps 0.625; α = 0.8·w(1.25) = 0; coefficients [0, 0.4·0.625] = [0, 0.25];
+    # loss = −2·(0 − 0.25·log(1/4)) = −0.6931472
+    loss, _, _ = _loss(
+        _args(use_tis=True, tis_clip=1.2, custom_tis_function_path="vime.utils.mismatch.icepop_function")
+    )
+    assert loss.item() == pytest.approx(-ADVANTAGE * (-0.25 * LOG_P1), abs=1e-6)
+
+
+def test_plain_reinforce_has_no_ratio_and_no_clip():
+    # −A·logp_0 = −2·log(1/2) = 1.3862944; gradient −A·(e_0 − p) = −2·[0.5, −0.25, −0.125, −0.125]
+    loss, metrics, grad = _loss(_args(use_score_centering=False))
+    assert loss.item() == pytest.approx(-ADVANTAGE * LOG_P0, abs=1e-6)
+    assert metrics["pg_clipfrac"].item() == 0
+    torch.testing.assert_close(grad, torch.tensor([-1.0, 0.5, 0.25, 0.25]))
+
+
+def test_constant_advantage_has_zero_expected_gradient_on_the_full_vocabulary():
+    # With the head covering the whole vocabulary the correction is exact: E_{y~q}[∇(−A·(logp_y − c))] = 0.
+    logits = torch.tensor([1.0, -1.0, 0.2, 2.0], requires_grad=True)
+    q = torch.tensor([0.15, 0.55, 0.25, 0.05])
+    log_p = torch.log_softmax(logits, -1)
+    correction, _, _ = ppo_utils.score_centering_correction(log_p[None], q.log()[None])
+    expected = (q * ppo_utils.compute_reinforce_loss(log_p, torch.ones(4), None, correction)).sum()
+    (grad,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(grad, torch.zeros(4), atol=1e-6, rtol=0)
+
+
+BASE = "--train-backend fsdp --hf-checkpoint /m --prompt-data /d.jsonl --rollout-batch-size 4 --n-samples-per-prompt 4 --num-rollout 3".split()
+
+
+def _refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    return capsys.readouterr().err
+
+
+def test_flags_resolve_the_objective():
+    assert parse_args(BASE).pg_loss_type == "ppo"
+    args = parse_args([*BASE, "--use-score-centering", "--score-centering-top-k", "32"])
+    assert (args.pg_loss_type, args.score_centering_top_k) == ("reinforce", 32)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pg-loss-type", "ppo"], "drop --pg-loss-type ppo"),
+        (["--score-centering-top-k", "0"], "--score-centering-top-k 0"),
+        (["--rollout-top-p", "0.9"], "untruncated sampling"),
+        (["--use-opsm"], "--use-opsm"),
+        (
+            ["--use-tis", "--custom-tis-function-path", "vime.utils.mismatch.geometric_tis_function"],
+            "token-wise",
+        ),
+        (["--loss-type", "sft_loss"], "policy_loss"),
+    ],
+)
+def test_bad_score_centering_settings_are_refused(flags, message, capsys):
+    assert message in _refused([*BASE, "--use-score-centering", *flags], capsys)
+
+
+def test_score_centering_needs_fsdp_and_reinforce_excludes_gspo(capsys):
+    assert "vocabulary-parallel" in _refused(
+        [*BASE, "--use-score-centering", "--train-backend", "megatron"], capsys
+    )
+    assert "gspo" in _refused([*BASE, "--pg-loss-type", "reinforce", "--advantage-estimator", "gspo"], capsys)
+
+
+def test_trainer_takes_the_samples_heads_and_refuses_missing_ones():
+    from vime.backends.trainer_base import sampler_heads_of
+    from vime.utils.types import Sample
+
+    sample = Sample(index=0, tokens=[5, 0, 1], response_length=2)
+    sample.rollout_topk_token_ids = [[0, 1], [1, 3]]
+    sample.rollout_topk_log_probs = [[-0.9, -0.9], [-0.1, -3.0]]
+    heads = sampler_heads_of([sample], 2)
+    assert heads["rollout_topk_token_ids"][0].tolist() == [[0, 1], [1, 3]]
+    with pytest.raises(ValueError, match=r"expected \(2, 3\)"):
+        sampler_heads_of([sample], 3)
+    with pytest.raises(ValueError, match="carries no rollout_topk_token_ids"):
+        sampler_heads_of([Sample(index=1, tokens=[5, 0], response_length=1)], 2)
