@@ -232,6 +232,14 @@ ALGORITHM = [
         ),
     ),
     (
+        "--buffer-sort-by-staleness",
+        dict(
+            action="store_true",
+            help="Serve buffered groups (aborted partial rollouts) oldest weight version first, unversioned ones "
+            "last (slime); --buffer-filter-path takes precedence.",
+        ),
+    ),
+    (
         "--rollout-sample-hook-path",
         dict(
             action="append",
