@@ -71,6 +71,25 @@ def test_score_centered_loss_and_gradient():
     torch.testing.assert_close(grad, torch.tensor([-1.2, 0.8, 0.2, 0.2]))
 
 
+def test_a_masked_environment_token_with_a_padding_head_changes_nothing():
+    # token 2 is tool output (loss mask 0) with vLLM's zero-probability padding head: same loss, finite gradient
+    logits = P.log().repeat(2, 1).requires_grad_()
+    log_probs = ppo_utils.log_probs_from_logits(logits, torch.tensor([0, 3]))
+    mask = torch.tensor([1.0, 0.0])
+    batch = {
+        "response_lengths": [2], "loss_mask": mask, "advantages": torch.tensor([ADVANTAGE, ADVANTAGE]),
+        "old_log_probs": log_probs.detach(), "ref_log_probs": None,
+        "rollout_log_probs": torch.tensor([math.log(0.4), 0.0]), "reduce": make_reducer(mask, [2], False, 1, 1),
+        "rollout_topk_log_probs": torch.cat([Q_HEAD.log(), torch.full((1, 2), -9999.0)]),
+        "train_topk_log_probs": ppo_utils.head_log_probs_from_logits(logits, torch.tensor([[0, 1], [0, 1]])),
+    }  # fmt: skip
+    for tis in ({}, {"use_tis": True, "tis_clip": 1.2}):
+        loss, _ = policy_loss(_args(**tis), batch, log_probs, None)
+        (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+        assert torch.isfinite(grad).all() and grad[1].abs().max() == 0
+    assert loss.item() == pytest.approx(1.6358274, abs=1e-6)
+
+
 def test_score_centered_loss_with_tis():
     # --use-tis, bounds [0, 1.2]: the sampled token's ratio p/q = 0.5/0.4 = 1.25 → w = 1.2; head weights
     # [1.2, 0.625]; α = ρ·w(1/ρ) = 0.8·w(1.25) = 0.96; coefficients [0.4·1.2 − 0.96·0.5, 0.4·0.625 − 0.96·0.25]
@@ -161,3 +180,51 @@ def test_trainer_takes_the_samples_heads_and_refuses_missing_ones():
         sampler_heads_of([sample], 3)
     with pytest.raises(ValueError, match="carries no rollout_topk_token_ids"):
         sampler_heads_of([Sample(index=1, tokens=[5, 0], response_length=1)], 2)
+
+
+# ------------------------------------------------------------------------- the sampler's heads from the rollout
+def _sc_args(*flags: str) -> argparse.Namespace:
+    return parse_args([*BASE, "--use-score-centering", "--score-centering-top-k", "2", *flags])
+
+
+def test_training_requests_ask_for_the_top_k_and_engines_allow_it():
+    from vime.backends.vllm_utils.engine import build_engine_command
+    from vime.rollout.vllm_generate import _completion_payload, sampling_params_from_args
+
+    args = _sc_args()
+    train, evaluation = sampling_params_from_args(args), sampling_params_from_args(args, evaluation=True)
+    assert _completion_payload(args, [1], train, 4)["logprobs"] == 2
+    assert _completion_payload(args, [1], evaluation, 4)["logprobs"] == 0  # eval does not train
+    assert (
+        _completion_payload(parse_args(BASE), [1], sampling_params_from_args(parse_args(BASE)), 4)["logprobs"]
+        == 0
+    )
+    command = build_engine_command(args, "127.0.0.1", 8000)
+    assert command[command.index("--max-logprobs") + 1] == "2"
+    assert "--max-logprobs" not in build_engine_command(parse_args(BASE), "127.0.0.1", 8000)
+
+
+def test_a_choice_records_the_sampler_head_of_each_token_and_environment_tokens_get_padding():
+    from vime.rollout.vllm_generate import RolloutError, _apply_choice, append_response, reset_to_prompt
+    from vime.utils.types import Sample
+
+    args = _sc_args()
+    # vLLM's top_logprobs: the top-2 plus the sampled token when it is not among them (token 9 at step 2)
+    choice = {
+        "token_ids": [5, 9], "text": "ab", "finish_reason": "length",
+        "logprobs": {
+            "token_logprobs": [-0.1, -3.0],
+            "top_logprobs": [{"token_id:5": -0.1, "token_id:6": -2.5},
+                             {"token_id:9": -3.0, "token_id:7": -0.2, "token_id:8": -1.9}],
+        },
+    }  # fmt: skip
+    sample = _apply_choice(args, Sample(index=0, tokens=[1, 2]), choice, weight_version=3)
+    assert sample.rollout_topk_token_ids == [[5, 6], [7, 8]]
+    assert sample.rollout_topk_log_probs == [[-0.1, -2.5], [-0.2, -1.9]]
+    append_response(sample, [4], [0.0], "tool", trainable=False)
+    assert sample.rollout_topk_token_ids[-1] == [0, 1] and sample.rollout_topk_log_probs[-1] == [-9999.0] * 2
+    assert len(sample.rollout_topk_token_ids) == sample.response_length == 3
+    assert reset_to_prompt(sample).rollout_topk_token_ids is None
+    short = choice | {"logprobs": {"token_logprobs": [-0.1], "top_logprobs": [{"token_id:5": -0.1}]}}
+    with pytest.raises(RolloutError, match="expected 2"):
+        _apply_choice(args, Sample(index=1, tokens=[1]), short | {"token_ids": [5]}, weight_version=3)

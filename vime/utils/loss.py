@@ -147,8 +147,9 @@ def score_centered_losses(
     """Per-token REINFORCE loss with score centering (``--use-score-centering``): ``−A·(w·logp − c)``, ``w`` the
     sampled token's weight under ``--use-tis`` (trainer vs sampler probability), ``c`` the centering term of
     :func:`~vime.utils.ppo_utils.score_centering_correction`. ``batch`` adds ``rollout_topk_log_probs`` [N, k] (the
-    sampler's head) and ``train_topk_log_probs`` [N, k] (the trainer's at the same tokens, with grad); masked
-    tokens get 0 (their head may be padding). Adds the ``sc_*`` metrics."""
+    sampler's head; zero-probability padding on environment tokens, which stays finite and is masked by the
+    reduction) and ``train_topk_log_probs`` [N, k] (the trainer's at the same tokens, with grad). Adds the ``sc_*``
+    metrics."""
     mode = score_centering_is_mode(args)
     sampler_head, train_head = batch.get("rollout_topk_log_probs"), batch.get("train_topk_log_probs")
     if sampler_head is None or train_head is None or batch["rollout_log_probs"] is None:
@@ -168,7 +169,7 @@ def score_centered_losses(
         sc_sampler_head_mass=reduce(sampler_mass),
         sc_train_head_mass=reduce(train_mass),
     )
-    return torch.where(batch["loss_mask"] > 0, losses, torch.zeros_like(losses))
+    return losses
 
 
 def value_loss(args: argparse.Namespace, batch: dict[str, Any], values: torch.Tensor) -> LossOutput:

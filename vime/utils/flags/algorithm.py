@@ -50,9 +50,9 @@ ALGORITHM = [
             action="store_true",
             help="REINFORCE with score centering (slime; arXiv:2609.20807): subtract the sampler's expected score, "
             "estimated from its top-k head (--score-centering-top-k) and a modeled tail, so a constant advantage "
-            "gives no gradient; composes with --use-tis (TIS or icepop). Needs untruncated sampling (--rollout-top-p "
-            "1, --rollout-top-k -1), --train-backend fsdp, and samples that carry the sampler's head "
-            "(rollout_topk_token_ids / rollout_topk_log_probs).",
+            "gives no gradient; composes with --use-tis (TIS or icepop). vime's rollout records the sampler's head "
+            "of every token (a custom generate function must set rollout_topk_token_ids / rollout_topk_log_probs). "
+            "Needs untruncated sampling (--rollout-top-p 1, --rollout-top-k -1) and --train-backend fsdp.",
         ),
     ),
     (
