@@ -43,11 +43,25 @@ def _loss(args: argparse.Namespace) -> tuple[torch.Tensor, dict, torch.Tensor]:
         "old_log_probs": log_probs.detach(), "ref_log_probs": None,
         "rollout_log_probs": torch.tensor([math.log(0.4)]), "reduce": make_reducer(mask, [1], False, 1, 1),
         "rollout_topk_log_probs": Q_HEAD.log(),
-        "train_topk_log_probs": ppo_utils.head_log_probs_from_logits(logits[None], HEAD_IDS),
+        "train_topk_log_probs": ppo_utils.head_log_probs_from_logits(logits[None], HEAD_IDS, torch.tensor([0]), log_probs),
     }  # fmt: skip
     loss, metrics = policy_loss(args, batch, log_probs, None)
     (grad,) = torch.autograd.grad(loss, logits)
     return loss, metrics, grad
+
+
+def test_head_log_probs_from_the_label_log_prob_equal_a_log_softmax_with_its_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 11, requires_grad=True)
+    ids, labels = torch.randint(0, 11, (5, 3)), torch.randint(0, 11, (5,))
+    label_log_probs = ppo_utils.log_probs_from_logits(logits, labels, 0.7)
+    head = ppo_utils.head_log_probs_from_logits(logits, ids, labels, label_log_probs, 0.7)
+    reference = torch.log_softmax(logits / 0.7, -1).gather(-1, ids)
+    torch.testing.assert_close(head, reference, atol=1e-5, rtol=0)
+    weight = torch.randn(5, 3)
+    (grad,) = torch.autograd.grad((head * weight).sum(), logits)
+    (expected,) = torch.autograd.grad((reference * weight).sum(), logits)
+    torch.testing.assert_close(grad, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_correction_without_importance_weights():
@@ -81,7 +95,9 @@ def test_a_masked_environment_token_with_a_padding_head_changes_nothing():
         "old_log_probs": log_probs.detach(), "ref_log_probs": None,
         "rollout_log_probs": torch.tensor([math.log(0.4), 0.0]), "reduce": make_reducer(mask, [2], False, 1, 1),
         "rollout_topk_log_probs": torch.cat([Q_HEAD.log(), torch.full((1, 2), -9999.0)]),
-        "train_topk_log_probs": ppo_utils.head_log_probs_from_logits(logits, torch.tensor([[0, 1], [0, 1]])),
+        "train_topk_log_probs": ppo_utils.head_log_probs_from_logits(
+            logits, torch.tensor([[0, 1], [0, 1]]), torch.tensor([0, 3]), log_probs
+        ),
     }  # fmt: skip
     for tis in ({}, {"use_tis": True, "tis_clip": 1.2}):
         loss, _ = policy_loss(_args(**tis), batch, log_probs, None)

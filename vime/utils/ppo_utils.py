@@ -349,12 +349,20 @@ def log_probs_from_logits(
 
 
 def head_log_probs_from_logits(
-    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    labels: torch.Tensor,
+    label_log_probs: torch.Tensor,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """``log softmax(logits / temperature)`` at several tokens per row, in fp32: ``logits [N, V]``, ``token_ids
-    [N, k]`` → ``[N, k]`` (the trainer's log-probs of the sampler's top-k head, for score centering)."""
-    logits = _scaled_fp32_logits(logits, temperature)
-    return logits.gather(-1, token_ids.long()) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    """``log softmax(logits / temperature)`` at several tokens per row (the trainer's log-probs of the sampler's
+    top-k head, for score centering): ``logits [N, V]``, ``token_ids [N, k]`` → ``[N, k]`` fp32.
+
+    Built on the row's label log-prob ``label_log_probs [N]`` (already computed, with grad, without keeping an fp32
+    ``[N, V]`` temporary): ``log p_j = log p_y + (z_j − z_y) / T``, so the normaliser is not computed again."""
+    head = logits.gather(-1, token_ids.long()).float()
+    picked = logits.gather(-1, labels.long().unsqueeze(-1)).float()
+    return label_log_probs.unsqueeze(-1) + (head - picked) / temperature
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -240,7 +240,7 @@ class FSDPTrainer(TrainerBase):
             )
             if args.use_score_centering:  # the trainer's log-probs at the sampler's head tokens
                 head = head_log_probs_from_logits(
-                    logits, batch["rollout_topk_token_ids"], args.rollout_temperature
+                    logits, batch["rollout_topk_token_ids"], labels, log_probs, args.rollout_temperature
                 )
                 return self.loss_fn(args, batch | {"train_topk_log_probs": head}, log_probs, entropy)
             return self.loss_fn(args, batch, log_probs, entropy)
