@@ -176,6 +176,18 @@ def test_bad_score_centering_settings_are_refused(flags, message, capsys):
     assert message in _refused([*BASE, "--use-score-centering", *flags], capsys)
 
 
+def test_tis_weights_the_sampler_even_with_rollout_log_probs_as_the_old_policy():
+    # score centering's weights compare the current policy with the sampler, so --use-rollout-logprobs keeps them
+    args = _sc_args("--use-tis", "--use-rollout-logprobs")
+    assert args.use_tis and args.use_rollout_logprobs
+
+
+def test_reinforce_refuses_the_dual_clip(capsys):
+    assert "REINFORCE has no ratio" in _refused(
+        [*BASE, "--pg-loss-type", "reinforce", "--eps-clip-c", "3"], capsys
+    )
+
+
 def test_score_centering_needs_fsdp_and_reinforce_excludes_gspo(capsys):
     assert "vocabulary-parallel" in _refused(
         [*BASE, "--use-score-centering", "--train-backend", "megatron"], capsys

@@ -86,7 +86,7 @@ def _check_algorithm(args: argparse.Namespace) -> None:
             "--kl-coef and --use-kl-loss both set: choose one KL (--kl-coef shapes rewards, --use-kl-loss with "
             "--kl-loss-coef adds a loss term); drop --kl-coef or --use-kl-loss"
         )
-    if args.use_tis and args.use_rollout_logprobs:
+    if args.use_tis and args.use_rollout_logprobs and not args.use_score_centering:
         raise ValueError(
             "--use-tis with --use-rollout-logprobs: TIS corrects between the trainer's old log-probs and the "
             "engine's; with rollout log-probs as the old policy the weight is always 1. Drop one of them"
@@ -241,6 +241,11 @@ def _check_pg_loss_type(args: argparse.Namespace) -> None:
         raise ValueError(
             "--pg-loss-type reinforce with --advantage-estimator gspo: GSPO's objective is the clipped sequence "
             "ratio (ppo); use --advantage-estimator grpo, or --pg-loss-type ppo"
+        )
+    if args.pg_loss_type == "reinforce" and args.eps_clip_c is not None:
+        raise ValueError(
+            f"--eps-clip-c {args.eps_clip_c} with --pg-loss-type reinforce: REINFORCE has no ratio to clip; drop "
+            "--eps-clip-c, or use --pg-loss-type ppo"
         )
     if not args.use_score_centering:
         return
