@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from vime.rollout.data_source import RolloutDataSource
+from vime.rollout.data_source import RolloutDataSource, pop_oldest
 from vime.utils.data import PromptDataset
 from vime.utils.types import Sample, Status
 
@@ -274,3 +274,44 @@ def test_pickles_for_ray():
     source.add_samples([partial_group(source)])
     copy = pickle.loads(pickle.dumps(source))
     assert as_dicts(copy.get_samples(5)) == as_dicts(source.get_samples(5))
+
+
+def _versioned(index: int, *versions: list) -> list[Sample]:
+    """A group of one sample per ``versions`` entry, each recording those weight versions."""
+    return [Sample(index=index * 10 + i, weight_versions=list(v)) for i, v in enumerate(versions)]
+
+
+def test_buffer_sort_by_staleness_takes_the_oldest_version_first_and_keeps_ties_in_order():
+    # oldest versions: 7, none, 3 (slime's string versions count as numbers), 3, none ("default" is no number)
+    groups = [
+        _versioned(0, [7], [9]),
+        _versioned(1, [], []),
+        _versioned(2, ["8"], ["3", "8"]),
+        _versioned(3, [3], []),
+        _versioned(4, ["default"], []),
+    ]
+    buffer = list(groups)
+    assert pop_oldest(None, None, buffer, 2) == [groups[2], groups[3]]
+    assert buffer == [groups[0], groups[1], groups[4]]  # the rest stays sorted: versioned, then unversioned
+    assert pop_oldest(None, None, buffer, 5) == [groups[0], groups[1], groups[4]] and buffer == []
+
+
+@pytest.mark.parametrize("sort_by_staleness", [False, True])
+def test_buffer_sort_is_opt_in_and_a_buffer_filter_wins(sort_by_staleness):
+    fresh, stale = _versioned(0, [5]), _versioned(1, [2])
+    source = make_source(buffer_sort_by_staleness=sort_by_staleness)
+    source.add_samples([fresh, stale])
+    first, second = (stale, fresh) if sort_by_staleness else (fresh, stale)
+    assert source.get_samples(1) == [first] and source.get_samples(1) == [second]
+    source = make_source(
+        buffer_sort_by_staleness=True, buffer_filter_path="tests.unit.test_data_source.take_last"
+    )
+    source.add_samples([stale, fresh])
+    assert source.get_samples(1) == [fresh]  # the filter's pick, not the stalest
+
+
+def take_last(args, rollout_id, buffer, num_groups):
+    """A --buffer-filter-path for the test above: the most recently added groups first."""
+    taken = buffer[-num_groups:]
+    del buffer[-num_groups:]
+    return taken[::-1]

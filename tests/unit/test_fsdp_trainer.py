@@ -598,3 +598,25 @@ def test_memory_probe_runs_with_every_gradient_resident_and_clears_them(base_arg
     trainer._memory_probe(make_samples())
     assert all(p.grad is None for p in params)
     assert_same_params(full_params(trainer), before)
+
+
+def test_score_centering_on_policy_trains_like_plain_reinforce(base_args, model_dir):
+    # When the sampler is the trainer (its head: the trainer's own top-4 at the rollout temperature), q = p on the
+    # head, so ρ = 1, α = 1 and the centering term is 0: one step updates exactly as --pg-loss-type reinforce. Heads
+    # read from the wrong rows, or at the wrong temperature, would not cancel. SGD: see the micro-batching test.
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    samples = make_samples()
+    with torch.no_grad():
+        for s in samples:
+            logits = reference(torch.tensor([s.tokens])).logits[0, s.prompt_length - 1 : -1].float() / 0.7
+            head = torch.log_softmax(logits, -1).topk(4)
+            s.rollout_topk_token_ids, s.rollout_topk_log_probs = head.indices.tolist(), head.values.tolist()
+    updated = {}
+    for centering in (False, True):
+        args = with_args(base_args, optimizer="sgd", lr=0.1, rollout_temperature=0.7, pg_loss_type="reinforce",
+                         use_score_centering=centering, score_centering_top_k=4)  # fmt: skip
+        trainer = FSDPTrainer(args)
+        metrics = trainer.train(0, samples, shape_rewards(args, groups_of(samples)))
+        updated[centering] = full_params(trainer)
+    assert abs(metrics["sc_correction"]) < 1e-6 and metrics["sc_sampler_head_mass"] > 0
+    assert_same_params(updated[True], updated[False], atol=1e-6, rtol=1e-5)

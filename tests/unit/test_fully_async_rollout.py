@@ -28,7 +28,7 @@ def make_args(**overrides) -> argparse.Namespace:
         rollout_engine_urls=["http://e0"], weight_version=1, partial_rollout=False,
         dynamic_sampling_filter_path=None, rollout_sample_filter_path=None, rollout_all_samples_process_path=None,
         rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=4,
-        rollout_stop=None, rollout_stop_token_ids=None, reward_key=None, log_passrate=False,
+        rollout_stop=None, rollout_stop_token_ids=None, reward_key=None, log_passrate=False, use_score_centering=False,
     )  # fmt: skip
     return argparse.Namespace(**{**values, **overrides})
 

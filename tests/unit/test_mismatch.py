@@ -22,7 +22,7 @@ def t(values):
 def _args(**overrides):
     base = dict(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None, use_tis=False,
                 entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", use_unbiased_kl=False,
-                use_opsm=False, opsm_delta=1e-4, custom_tis_function_path=None, tis_clip=2.0, tis_clip_low=0.5,
+                use_opsm=False, opsm_delta=1e-4, pg_loss_type="ppo", use_score_centering=False, custom_tis_function_path=None, tis_clip=2.0, tis_clip_low=0.5,
                 custom_pg_loss_reducer_function_path=None, calculate_per_token_loss=False)  # fmt: skip
     return argparse.Namespace(**{**base, **overrides})
 

@@ -15,7 +15,7 @@ from vime.rollout import rm_hub
 from vime.rollout.rm_hub import async_rm, batched_async_rm, reward_samples
 from vime.rollout.rm_hub.f1 import f1_score, normalize_answer
 from vime.rollout.rm_hub.gsm8k import compute_gsm8k_reward, extract_final_number, parse_gsm8k_label
-from vime.rollout.rm_hub.math_utils import compute_math_reward, extract_boxed, final_answer
+from vime.rollout.rm_hub.math_utils import compute_math_reward, extract_boxed
 from vime.utils.misc import free_port
 from vime.utils.types import Sample, Status
 
@@ -40,16 +40,11 @@ def _rm(rm_type, response, label, **kwargs):
 
 def test_extract_boxed_handles_nested_braces_and_takes_the_last():
     assert extract_boxed(r"first \boxed{1} then \boxed{\frac{a^{2}}{b}} done") == r"\frac{a^{2}}{b}"
-    assert extract_boxed(r"\fbox{7}") == "7"
-    assert extract_boxed(r"$\boxed 5$") == "5"
+    # as slime reads it: \fbox and the brace-less \boxed 5 are no boxed answer
+    assert extract_boxed(r"\fbox{7}") is None and extract_boxed(r"$\boxed 5$") is None
+    assert extract_boxed(r"\boxed{1} and \boxed 5") is None  # the last \boxed decides
     assert extract_boxed(r"\boxed{\frac{1}{2}") is None  # unbalanced
     assert extract_boxed("no box") is None
-
-
-def test_final_answer_falls_back_to_the_last_answer_line():
-    assert final_answer("work\nAnswer: 41\nmore work\nAnswer: $42$.") == "42"
-    assert final_answer(r"Answer: 1" + "\n" + r"so \boxed{2}") == "2"  # boxed wins
-    assert final_answer("the result is 42") is None
 
 
 @pytest.mark.parametrize(
@@ -60,7 +55,6 @@ def test_final_answer_falls_back_to_the_last_answer_line():
         (r"\boxed{1/2}", r"\frac12"),
         (r"\boxed{2\sqrt{2}}", r"\sqrt{8}"),
         (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}"),
-        ("Reasoning...\nAnswer: 42", "42"),
         (r"\boxed{42}", 42),
         (r"\boxed{3}", r"The solution gives \boxed{3}."),  # label that is itself a boxed solution
     ],
@@ -74,8 +68,9 @@ def test_math_equivalent_answers_score_one(response, label):
     [
         (r"\boxed{\frac{1}{3}}", "0.5"),
         (r"\boxed{2\sqrt{3}}", r"\sqrt{8}"),
-        ("Answer: 41", "42"),
-        ("the result is 42", "42"),  # no \boxed and no "Answer:" line: nothing to grade
+        ("Reasoning...\nAnswer: 42", "42"),  # slime reads a \boxed answer only
+        ("the result is 42", "42"),
+        (r"\boxed{\frac{2}{4}}", r"\frac{1}{2}"),  # an unreduced fraction is wrong (slime)
         ("", "42"),
     ],
 )
@@ -170,7 +165,8 @@ def test_normalize_answer_squad_style():
         ("dog dog", "dog", 2 * (1 / 2) * 1.0 / (1 / 2 + 1.0)),  # common counts clip: 2/3
         ("nothing shared", "totally different", 0.0),
         ("", "cat", 0.0),
-        ("The.", "a", 1.0),  # both normalise to empty
+        ("The.", "a", 0.0),  # both normalise to empty: no shared token (slime)
+        ("yes it is", "yes", 0.0),  # yes / no / noanswer are all or nothing (slime)
     ],
 )
 def test_f1_hand_computed(prediction, truth, expected):
@@ -406,7 +402,7 @@ def test_rm_types_constant():
 
 
 def test_math_works_off_the_main_thread():
-    # math-verify's own timeout uses signal.alarm, which raises outside the main thread (e.g. Ray actors).
+    # the rule-based rewards run on a Ray actor's event-loop thread: nothing may need the main thread (signals)
     reward = asyncio.run(asyncio.to_thread(compute_math_reward, r"\boxed{0.5}", r"\frac{1}{2}"))
     assert reward == 1.0
 

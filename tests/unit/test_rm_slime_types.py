@@ -36,8 +36,8 @@ def test_deepscaler_scores_only_the_boxed_answer_after_the_reasoning():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("18", "18"), (" $1,234$ dollars.", "1234"), (r"\boxed{42}", "42"), ("x = 7", "7"), ("12.0", "12"),
-     (r"\text{5 apples}", "5"), ("45^\\circ", "45"), (r"\frac{1}{2}", r"\frac{1}{2}")],
+    [("18", "18"), (" $1,234$ dollars.", "1234"), (r"\boxed{42}", "42"), ("x = 7", "7"), ("12.0", "12.0"),
+     (r"\text{5 apples}", "5apples"), ("45^\\circ", "45"), (r"\frac12", r"\frac{1}{2}")],  # Minerva's rules, as slime
 )  # fmt: skip
 def test_dapo_normalization(text, expected):
     assert normalize_answer(text) == expected

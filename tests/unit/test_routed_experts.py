@@ -68,7 +68,7 @@ def choice(tokens: list[int], routing: np.ndarray | None, finish: str = "stop") 
 
 
 def test_a_choice_routing_covers_all_tokens_but_the_last_and_a_continuation_replaces_it():
-    args = argparse.Namespace(weight_version=0, use_rollout_routing_replay=True)
+    args = argparse.Namespace(weight_version=0, use_rollout_routing_replay=True, use_score_centering=False)
     sample = Sample(index=0, tokens=[5, 6, 7], status=Status.PENDING)  # a 3-token prompt
     full = experts(8, seed=1)
     _apply_choice(args, sample, choice([8, 9], full[:4], finish="abort"), 0)  # aborted: 5 tokens, 4 rows
@@ -87,7 +87,7 @@ def test_a_choice_routing_covers_all_tokens_but_the_last_and_a_continuation_repl
 
 
 def test_a_choice_without_routing_or_with_the_wrong_rows_fails():
-    args = argparse.Namespace(weight_version=0, use_rollout_routing_replay=True)
+    args = argparse.Namespace(weight_version=0, use_rollout_routing_replay=True, use_score_centering=False)
     with pytest.raises(RolloutError, match="returned no routed_experts for a finished request"):
         _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], None), 0)
     with pytest.raises(ValueError, match="routed experts for 4 tokens, expected 2"):
@@ -96,7 +96,7 @@ def test_a_choice_without_routing_or_with_the_wrong_rows_fails():
         _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(1)), 0)
     aborted = _apply_choice(args, Sample(index=0, tokens=[5, 6]), choice([8], experts(1), finish="abort"), 0)
     assert len(aborted.rollout_routed_experts) == 1  # a prefix; the continuation returns them all
-    plain = argparse.Namespace(weight_version=0, use_rollout_routing_replay=False)
+    plain = argparse.Namespace(weight_version=0, use_rollout_routing_replay=False, use_score_centering=False)
     assert (
         _apply_choice(plain, Sample(index=0, tokens=[5, 6]), choice([8], None), 0).rollout_routed_experts
         is None

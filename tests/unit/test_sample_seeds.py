@@ -47,7 +47,7 @@ def test_requests_carry_a_seed_only_with_the_flag(monkeypatch, seeded):
     monkeypatch.setattr(vllm_generate, "get_context", lambda args: ctx)
     args = types.SimpleNamespace(
         hf_checkpoint="m", rollout_seed=42, rollout_sample_seeds=seeded, rollout_max_context_len=None,
-        use_rollout_routing_replay=False,
+        use_rollout_routing_replay=False, use_score_centering=False,
     )  # fmt: skip
     params = {"max_tokens": 4, "temperature": 1.0}
 

@@ -62,6 +62,31 @@ def rollout_log_probs_of(samples: list[Sample]) -> PerSample | None:
     return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
 
 
+def sampler_heads_of(samples: list[Sample], top_k: int) -> dict[str, PerSample]:
+    """The sampler's top-k head per response token (``--use-score-centering``): ``rollout_topk_token_ids`` (int64)
+    and ``rollout_topk_log_probs`` (fp32), each ``[response_length, top_k]`` per sample (slime's fields)."""
+    heads: dict[str, PerSample] = {"rollout_topk_token_ids": [], "rollout_topk_log_probs": []}
+    for s in samples:
+        for key, dtype in (
+            ("rollout_topk_token_ids", torch.int64),
+            ("rollout_topk_log_probs", torch.float32),
+        ):
+            value = getattr(s, key)
+            if value is None:
+                raise ValueError(
+                    f"--use-score-centering: sample {s.index} carries no {key}; the rollout must record the "
+                    f"sampler's top-{top_k} tokens and log-probs of every response token"
+                )
+            head = torch.as_tensor(value, dtype=dtype)
+            if head.shape != (s.response_length, top_k):
+                raise ValueError(
+                    f"--use-score-centering: sample {s.index} has {key} of shape {tuple(head.shape)}, expected "
+                    f"({s.response_length}, {top_k}) (response tokens, --score-centering-top-k)"
+                )
+            heads[key].append(head)
+    return heads
+
+
 def teacher_log_probs_of(samples: list[Sample], log_probs: PerSample) -> PerSample:
     """The teacher's log-probs each sample carries (``--opd-type vllm``: set during the rollout by
     :mod:`vime.rollout.on_policy_distillation`). A sample that does not train (FAILED, e.g. its teacher call failed,
@@ -576,6 +601,8 @@ class TrainerBase:
             "ref_log_probs": ref_log_probs,
             "rollout_log_probs": rollout_log_probs,
         }
+        if args.use_score_centering:
+            data |= sampler_heads_of(samples, args.score_centering_top_k)
         if entropy is not None:
             data["rollout_entropy"] = entropy
             metrics["rollout_entropy"] = self._masked_mean(entropy, masks)

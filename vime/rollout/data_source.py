@@ -57,7 +57,13 @@ class RolloutDataSource:
         self.next_sample_index = 0
         self.buffer: list[list[Sample]] = []
         path = getattr(args, "buffer_filter_path", None)
-        self.buffer_filter = load_function(path, "--buffer-filter-path") if path else None
+        self.buffer_filter = (
+            load_function(path, "--buffer-filter-path")
+            if path
+            else pop_oldest
+            if getattr(args, "buffer_sort_by_staleness", False)
+            else None
+        )
         self._order: tuple[int, list[int]] | None = None  # (epoch, order) cache
 
     @property
@@ -76,7 +82,8 @@ class RolloutDataSource:
         return len(self.buffer)
 
     def get_samples(self, num_groups: int) -> list[list[Sample]]:
-        """``num_groups`` groups: buffered groups first (FIFO), then fresh prompts in epoch order."""
+        """``num_groups`` groups: buffered groups first (FIFO; oldest weight version first with
+        ``--buffer-sort-by-staleness``; as ``--buffer-filter-path`` picks), then fresh prompts in epoch order."""
         if num_groups < 0:
             raise ValueError(f"num_groups must be >= 0, got {num_groups}")
         if self.buffer_filter is not None:  # slime's --buffer-filter-path: takes its groups out of the buffer
@@ -211,6 +218,37 @@ class RolloutDataSource:
             self.load_state_dict(json.loads(path.read_text(encoding="utf-8")))
         except ValueError as exc:  # includes JSONDecodeError
             raise ValueError(f"{path}: {exc}") from exc
+
+
+def oldest_weight_version(group: list[Sample]) -> int | None:
+    """The oldest policy a group's responses come from: the smallest integer weight version any of its samples
+    records (slime writes them as strings, vime as ints; other tags such as ``"default"`` say nothing); None for a
+    group never generated."""
+    versions = [
+        int(version)
+        for sample in group
+        for version in sample.weight_versions
+        if str(version).removeprefix("-").isdigit()
+    ]
+    return min(versions, default=None)
+
+
+def pop_oldest(
+    args: argparse.Namespace, rollout_id: int | None, buffer: list[list[Sample]], num_groups: int
+) -> list[list[Sample]]:
+    """``--buffer-sort-by-staleness`` (slime): sort the buffer by :func:`oldest_weight_version`, stalest first and
+    groups without a version last (ties keep their order), and take the first ``num_groups``; the rest stay
+    buffered in that order. Resuming the oldest partial responses first bounds how stale they get. Has the
+    ``--buffer-filter-path`` signature."""
+
+    def staleness_order(group: list[Sample]) -> tuple[bool, int]:
+        version = oldest_weight_version(group)
+        return version is None, version or 0
+
+    buffer.sort(key=staleness_order)
+    taken = buffer[:num_groups]
+    del buffer[:num_groups]
+    return taken
 
 
 def state_path(directory: str | os.PathLike, rollout_id: int) -> Path:

@@ -237,6 +237,8 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
         "top_k": getattr(args, f"{prefix}_top_k"),
         "max_tokens": getattr(args, f"{prefix}_max_response_len"),
     }
+    if args.use_score_centering and not evaluation:  # the sampler's top-k head of every token, for the loss
+        params["logprobs"] = args.score_centering_top_k
     return params | shared_params(args)
 
 
@@ -265,11 +267,11 @@ def _completion_payload(args, prompt: list[int], sampling_params: dict[str, Any]
     per-token strings of the log-probs stay token-id placeholders: nothing here reads them, and decoding them
     one by one is a large part of the server's per-token cost)."""
     return {
+        "logprobs": 0,  # the sampled token's; score centering's sampling params ask for the top-k as well
         **sampling_params,
         "model": args.hf_checkpoint,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "logprobs": 0,
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
     }
@@ -282,6 +284,13 @@ def _apply_choice(args, sample: Sample, choice: dict[str, Any], weight_version: 
     log_probs = (choice.get("logprobs") or {}).get("token_logprobs") or []
     if len(log_probs) != len(token_ids):
         raise RolloutError(f"engine returned {len(token_ids)} tokens but {len(log_probs)} log-probs")
+    top_logprobs = (choice.get("logprobs") or {}).get("top_logprobs")
+    if args.use_score_centering and top_logprobs is not None:  # before the tokens: a bad head appends nothing
+        if len(top_logprobs) != len(token_ids):
+            raise RolloutError(
+                f"engine returned {len(token_ids)} tokens but {len(top_logprobs)} top log-probs"
+            )
+        append_sampler_heads(sample, top_logprobs, args.score_centering_top_k)
     append_response(sample, token_ids, log_probs, choice.get("text") or "", trainable=True)
     sample.weight_versions.append(weight_version)
     sample.status = Status.from_finish_reason(choice.get("finish_reason"))
@@ -417,10 +426,43 @@ async def generate_fresh_group(args, group: list[Sample], sampling_params: dict[
     return group
 
 
+# vLLM's floor for a log-prob (its JSON has no -inf): the padding head of an environment token
+_NO_PROBABILITY = -9999.0
+
+
+def append_sampler_heads(sample: Sample, top_logprobs: list[dict | None], top_k: int) -> None:
+    """Append the sampler's ``top_k`` most likely tokens and their log-probs for each new response token to
+    ``sample.rollout_topk_token_ids`` / ``rollout_topk_log_probs`` (``--use-score-centering``). ``top_logprobs`` is
+    vLLM's completion field: per token a dict ``{"token_id:N": logprob}`` of the top-k plus the sampled token."""
+    ids, log_probs = [], []
+    for step in top_logprobs:
+        best = sorted((step or {}).items(), key=lambda item: -item[1])[:top_k]
+        if len(best) < top_k or not all(key.startswith("token_id:") for key, _ in best):
+            raise RolloutError(
+                f"--use-score-centering: the engine returned {len(best)} top log-probs for a token, expected "
+                f"{top_k} as token_id:N (--score-centering-top-k; engines run with --max-logprobs {top_k})"
+            )
+        ids.append([int(key.removeprefix("token_id:")) for key, _ in best])
+        log_probs.append([float(value) for _, value in best])
+    _extend_heads(sample, ids, log_probs)
+
+
+def _extend_heads(sample: Sample, ids: list[list[int]], log_probs: list[list[float]]) -> None:
+    if ids:  # a sample records heads once it has one, so a recorded list is never empty
+        sample.rollout_topk_token_ids = (sample.rollout_topk_token_ids or []) + ids
+        sample.rollout_topk_log_probs = (sample.rollout_topk_log_probs or []) + log_probs
+
+
 def append_response(
     sample: Sample, token_ids: list[int], log_probs: list[float], text: str, trainable: bool
 ) -> None:
-    """Append generated (``trainable``) or environment/tool tokens (masked out, log-prob 0) to a sample."""
+    """Append generated (``trainable``) or environment/tool tokens (masked out, log-prob 0) to a sample; a sample
+    that records the sampler's heads (score centering) gets padding heads for environment tokens."""
+    # environment tokens of a sample that records the sampler's heads: zero-probability heads, masked by the loss
+    if not trainable and sample.rollout_topk_token_ids is not None:
+        top_k = len(sample.rollout_topk_token_ids[0])
+        padding = [list(range(top_k))] * len(token_ids)
+        _extend_heads(sample, padding, [[_NO_PROBABILITY] * top_k] * len(token_ids))
     sample.append_response_tokens(
         tokens=token_ids, log_probs=log_probs if trainable else None, trainable=trainable, text=text
     )
@@ -431,6 +473,7 @@ def reset_to_prompt(sample: Sample) -> Sample:
     sample.tokens = sample.tokens[: sample.prompt_length]
     sample.response, sample.response_length = "", 0
     sample.loss_mask = sample.rollout_log_probs = sample.reward = sample.rollout_routed_experts = None
+    sample.rollout_topk_token_ids = sample.rollout_topk_log_probs = None
     sample.weight_versions = []
     sample.status, sample.failure_reason = Status.PENDING, None
     return sample

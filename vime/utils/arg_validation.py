@@ -56,6 +56,7 @@ def finalize_args(args: argparse.Namespace) -> None:
     _check_routing_replay(args)
     _check_opd(args)
     _check_loss_type(args)
+    _check_pg_loss_type(args)
     _check_batch_sizes(args)
     _check_cluster(args)
     _check_data(args)
@@ -85,7 +86,7 @@ def _check_algorithm(args: argparse.Namespace) -> None:
             "--kl-coef and --use-kl-loss both set: choose one KL (--kl-coef shapes rewards, --use-kl-loss with "
             "--kl-loss-coef adds a loss term); drop --kl-coef or --use-kl-loss"
         )
-    if args.use_tis and args.use_rollout_logprobs:
+    if args.use_tis and args.use_rollout_logprobs and not args.use_score_centering:
         raise ValueError(
             "--use-tis with --use-rollout-logprobs: TIS corrects between the trainer's old log-probs and the "
             "engine's; with rollout log-probs as the old policy the weight is always 1. Drop one of them"
@@ -208,6 +209,84 @@ def _check_loss_type(args: argparse.Namespace) -> None:
             f"--loss-type sft_loss trains on the negative log-likelihood of the loss-masked tokens only; "
             f"{', '.join(ignored)} would not take effect: drop them"
         )
+
+
+SCORE_CENTERING_TIS = {
+    None: "tis",
+    "vime.utils.mismatch.vanilla_tis_function": "tis",
+    "vime.utils.mismatch.icepop_function": "mis",
+}
+
+
+def score_centering_is_mode(args: argparse.Namespace) -> str:
+    """The importance weighting score centering applies to every head token: ``none`` without ``--use-tis``,
+    ``tis`` for the default TIS function, ``mis`` for icepop (the only token-wise rules that extend to the head)."""
+    if not args.use_tis:
+        return "none"
+    if args.custom_tis_function_path not in SCORE_CENTERING_TIS:
+        raise ValueError(
+            f"--use-score-centering with --custom-tis-function-path {args.custom_tis_function_path}: the centering "
+            "weights every head token and the modeled tail, which only token-wise TIS rules can do; use the default "
+            "TIS or vime.utils.mismatch.icepop_function, or drop --use-score-centering"
+        )
+    return SCORE_CENTERING_TIS[args.custom_tis_function_path]
+
+
+def _check_pg_loss_type(args: argparse.Namespace) -> None:
+    """Resolve ``--pg-loss-type`` (slime's default: reinforce with score centering, else ppo) and check score
+    centering's requirements."""
+    if args.pg_loss_type is None:
+        args.pg_loss_type = "reinforce" if args.use_score_centering else "ppo"
+    if args.pg_loss_type == "reinforce" and args.advantage_estimator == "gspo":
+        raise ValueError(
+            "--pg-loss-type reinforce with --advantage-estimator gspo: GSPO's objective is the clipped sequence "
+            "ratio (ppo); use --advantage-estimator grpo, or --pg-loss-type ppo"
+        )
+    if args.pg_loss_type == "reinforce" and args.eps_clip_c is not None:
+        raise ValueError(
+            f"--eps-clip-c {args.eps_clip_c} with --pg-loss-type reinforce: REINFORCE has no ratio to clip; drop "
+            "--eps-clip-c, or use --pg-loss-type ppo"
+        )
+    if not args.use_score_centering:
+        return
+    if args.pg_loss_type != "reinforce":
+        raise ValueError(
+            "--use-score-centering centers the REINFORCE score; drop --pg-loss-type ppo (reinforce is the default)"
+        )
+    if args.score_centering_top_k < 1:
+        raise ValueError(f"--score-centering-top-k {args.score_centering_top_k}: must be >= 1 (e.g. 128)")
+    if args.rollout_top_p != 1 or args.rollout_top_k not in (-1, 0):
+        raise ValueError(
+            f"--use-score-centering with --rollout-top-p {args.rollout_top_p} --rollout-top-k {args.rollout_top_k}: "
+            "the modeled-tail estimate needs untruncated sampling (the exact truncated-support form is not "
+            "implemented); use --rollout-top-p 1 --rollout-top-k -1"
+        )
+    if args.loss_type != "policy_loss" or args.custom_loss_function_path:
+        raise ValueError(
+            "--use-score-centering changes vime's policy loss: it needs --loss-type policy_loss without "
+            "--custom-loss-function-path"
+        )
+    if args.train_backend != "fsdp":
+        raise ValueError(
+            "--use-score-centering needs the trainer's log-probs at the sampler's top-k tokens, computed from the "
+            "full-vocabulary logits of --train-backend fsdp (Megatron's are vocabulary-parallel shards); use "
+            "--train-backend fsdp"
+        )
+    conflicts = [
+        flag
+        for flag, on in (
+            ("--use-opd", args.use_opd),
+            ("--use-opsm", args.use_opsm),
+            ("--use-unbiased-kl", args.use_unbiased_kl),
+            ("--custom-pg-loss-reducer-function-path", args.custom_pg_loss_reducer_function_path),
+        )
+        if on
+    ]
+    if conflicts:
+        raise ValueError(
+            f"--use-score-centering cannot combine with {', '.join(conflicts)} (as in slime): drop them"
+        )
+    score_centering_is_mode(args)
 
 
 def _check_batch_sizes(args: argparse.Namespace) -> None:

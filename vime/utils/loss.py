@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vime.utils import mismatch, ppo_utils
+from vime.utils.arg_validation import score_centering_is_mode
 from vime.utils.chunked_log_probs import chunked_log_probs
 from vime.utils.misc import load_function
 
@@ -79,10 +80,17 @@ def policy_loss(
         )
     else:
         ppo_kl = old_log_probs - log_probs
-    pg_losses, clipfrac = ppo_utils.compute_policy_loss(
-        ppo_kl, batch["advantages"], args.eps_clip, args.eps_clip_high, args.eps_clip_c
-    )
     metrics: dict[str, torch.Tensor] = {}
+    if args.use_score_centering:
+        pg_losses = score_centered_losses(args, batch, log_probs, metrics)
+        clipfrac = torch.zeros_like(pg_losses)
+    elif args.pg_loss_type == "reinforce":
+        pg_losses = ppo_utils.compute_reinforce_loss(log_probs, batch["advantages"])
+        clipfrac = torch.zeros_like(pg_losses)
+    else:
+        pg_losses, clipfrac = ppo_utils.compute_policy_loss(
+            ppo_kl, batch["advantages"], args.eps_clip, args.eps_clip_high, args.eps_clip_c
+        )
     if args.use_opsm:
         keep = mismatch.opsm_mask(
             log_probs, old_log_probs, batch["advantages"], batch["loss_mask"], lengths, args.opsm_delta
@@ -90,7 +98,7 @@ def policy_loss(
         pg_losses = pg_losses * keep
         metrics["opsm_clipfrac"] = reduce(1.0 - keep)
     masks = list(batch["loss_mask"].split(lengths))
-    if args.use_tis:
+    if args.use_tis and not args.use_score_centering:  # score centering weights its own terms
         if batch["rollout_log_probs"] is None:
             raise ValueError("--use-tis needs the engine's log-probs (rollout_log_probs) on every sample")
         tis_fn = load_function(args.custom_tis_function_path or DEFAULT_TIS, "--custom-tis-function-path")
@@ -131,6 +139,37 @@ def policy_loss(
     metrics["kl_loss"] = kl_loss.detach()
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def score_centered_losses(
+    args: argparse.Namespace, batch: dict[str, Any], log_probs: torch.Tensor, metrics: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """Per-token REINFORCE loss with score centering (``--use-score-centering``): ``−A·(w·logp − c)``, ``w`` the
+    sampled token's weight under ``--use-tis`` (trainer vs sampler probability), ``c`` the centering term of
+    :func:`~vime.utils.ppo_utils.score_centering_correction`. ``batch`` adds ``rollout_topk_log_probs`` [N, k] (the
+    sampler's head; zero-probability padding on environment tokens, which stays finite and is masked by the
+    reduction) and ``train_topk_log_probs`` [N, k] (the trainer's at the same tokens, with grad). Adds the ``sc_*``
+    metrics."""
+    mode = score_centering_is_mode(args)
+    sampler_head, train_head = batch.get("rollout_topk_log_probs"), batch.get("train_topk_log_probs")
+    if sampler_head is None or train_head is None or batch["rollout_log_probs"] is None:
+        raise ValueError(
+            "--use-score-centering needs the sampler's log-probs and top-k head on every sample "
+            "(rollout_log_probs, rollout_topk_token_ids, rollout_topk_log_probs)"
+        )
+    correction, sampler_mass, train_mass = ppo_utils.score_centering_correction(
+        train_head, sampler_head, mode, args.tis_clip_low, args.tis_clip
+    )
+    ratio = torch.exp(log_probs.detach().float() - batch["rollout_log_probs"].float())
+    weights = ppo_utils.importance_weights(ratio, mode, args.tis_clip_low, args.tis_clip)
+    losses = ppo_utils.compute_reinforce_loss(log_probs, batch["advantages"], weights, correction)
+    reduce = batch["reduce"]
+    metrics.update(
+        sc_correction=reduce(correction.detach()),
+        sc_sampler_head_mass=reduce(sampler_mass),
+        sc_train_head_mass=reduce(train_mass),
+    )
+    return losses
 
 
 def value_loss(args: argparse.Namespace, batch: dict[str, Any], values: torch.Tensor) -> LossOutput:

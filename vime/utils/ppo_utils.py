@@ -238,6 +238,66 @@ def compute_policy_loss(
     return pg_losses, clipfrac
 
 
+def compute_reinforce_loss(
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    score_correction: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """REINFORCE per token (``--pg-loss-type reinforce``): ``−A·(sg(w)·logp − c)``, no ratio and no clip.
+
+    ``weights`` ``w``: the sampled token's importance weight (detached; 1 when None). ``score_correction`` ``c``:
+    the score-centering term of :func:`score_centering_correction` (0 when None), which subtracts the sampler's
+    expected score so that a constant advantage has zero expected gradient (arXiv:2609.20807)."""
+    score = log_probs if weights is None else weights.detach() * log_probs
+    if score_correction is not None:
+        score = score - score_correction
+    return -advantages * score
+
+
+def importance_weights(
+    ratio: torch.Tensor, mode: str, low: float | None = None, high: float | None = None
+) -> torch.Tensor:
+    """Token importance weights of a trainer/sampler probability ratio: ``none`` 1; ``tis`` the ratio clamped to
+    ``[low, high]``; ``mis`` (IcePop) the ratio inside ``[low, high]`` and 0 outside. ``low``/``high`` are
+    ``--tis-clip-low`` / ``--tis-clip``."""
+    if mode == "none":
+        return torch.ones_like(ratio)
+    if low is None or high is None:
+        raise ValueError(f"importance mode {mode!r} needs both bounds (--tis-clip-low, --tis-clip)")
+    if mode == "tis":
+        return ratio.clamp(low, high)
+    if mode == "mis":
+        return torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
+    raise ValueError(f"unknown importance mode {mode!r}; expected none, tis or mis")
+
+
+def score_centering_correction(
+    train_head_log_probs: torch.Tensor,
+    sampler_head_log_probs: torch.Tensor,
+    mode: str = "none",
+    low: float | None = None,
+    high: float | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Score centering from the sampler's top-k head (arXiv:2609.20807, the modeled-tail form).
+
+    Inputs ``[N, k]``: the trainer's (with grad) and the sampler's log-probs at the sampler's k most likely
+    tokens, each normalised over the full vocabulary. With head masses ``P = Σ_H p``, ``Q = Σ_H q``, the sampler's
+    tail is modeled as the trainer's scaled by ``ρ = (1 − Q) / (1 − P)`` (both floored at ``eps``), so the
+    expected weighted score ``Σ_v q_v·w(p_v/q_v)·∇logp_v`` over the whole vocabulary equals the head-only sum
+    ``Σ_H sg(q·w(p/q) − α·p)·∇logp`` with ``α = ρ·w(1/ρ)``. Returns ``(correction [N], Q [N], P [N])``; only the
+    correction carries gradient, through ``train_head_log_probs``."""
+    with torch.no_grad():
+        log_p, log_q = train_head_log_probs.float(), sampler_head_log_probs.float()
+        p, q = log_p.exp(), log_q.exp()
+        p_mass, q_mass = p.sum(-1), q.sum(-1)
+        rho = (1 - q_mass).clamp(min=eps) / (1 - p_mass).clamp(min=eps)
+        alpha = rho * importance_weights(1 / rho, mode, low, high)
+        coefficients = q * importance_weights((log_p - log_q).exp(), mode, low, high) - alpha[:, None] * p
+    return (coefficients * train_head_log_probs.float()).sum(-1), q_mass, p_mass
+
+
 def compute_value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +346,23 @@ def log_probs_from_logits(
     logits = _scaled_fp32_logits(logits, temperature)
     picked = logits.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def head_log_probs_from_logits(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    labels: torch.Tensor,
+    label_log_probs: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``log softmax(logits / temperature)`` at several tokens per row (the trainer's log-probs of the sampler's
+    top-k head, for score centering): ``logits [N, V]``, ``token_ids [N, k]`` → ``[N, k]`` fp32.
+
+    Built on the row's label log-prob ``label_log_probs [N]`` (already computed, with grad, without keeping an fp32
+    ``[N, V]`` temporary): ``log p_j = log p_y + (z_j − z_y) / T``, so the normaliser is not computed again."""
+    head = logits.gather(-1, token_ids.long()).float()
+    picked = logits.gather(-1, labels.long().unsqueeze(-1)).float()
+    return label_log_probs.unsqueeze(-1) + (head - picked) / temperature
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

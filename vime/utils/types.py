@@ -41,6 +41,8 @@ SLIME_ONLY_FIELDS: dict[str, Callable[[], Any]] = {
     "apply_chat_template_kwargs": dict,
     "rollout_top_p_token_ids": lambda: None,
     "rollout_top_p_token_offsets": lambda: None,
+    "rollout_topk_token_ids": lambda: None,
+    "rollout_topk_log_probs": lambda: None,
     "generate_function_path": lambda: None,
     "custom_rm_path": lambda: None,
     "session_id": lambda: None,

@@ -40,6 +40,7 @@ from vime.utils.freeze import apply_trainable_patterns
 from vime.utils.loss import slime_loss_batch, value_loss
 from vime.utils.memory_plan import local_bytes
 from vime.utils.offload import optimizer_tensors
+from vime.utils.ppo_utils import head_log_probs_from_logits
 from vime.utils.routing_replay import ReplayMode
 from vime.utils.train_data import pack_samples, split_routing
 from vime.utils.types import Sample
@@ -239,6 +240,11 @@ class FSDPTrainer(TrainerBase):
             log_probs, entropy = token_log_probs(
                 logits, labels, args.rollout_temperature, True, entropy_grad, args.log_probs_chunk_size
             )
+            if args.use_score_centering:  # the trainer's log-probs at the sampler's head tokens
+                head = head_log_probs_from_logits(
+                    logits, batch["rollout_topk_token_ids"], labels, log_probs, args.rollout_temperature
+                )
+                return self.loss_fn(args, batch | {"train_topk_log_probs": head}, log_probs, entropy)
             return self.loss_fn(args, batch, log_probs, entropy)
 
         if args.recompute_loss_function:

@@ -95,6 +95,8 @@ def build_engine_command(
         "processed_logprobs",  # log-probs after temperature: what the PPO ratio compares against
         "--middleware",
         control_auth.MIDDLEWARE,  # control routes need the run's secret
+        # score centering asks for the sampler's top-k log-probs of every token; vLLM allows 20 unless told
+        *(["--max-logprobs", str(args.score_centering_top_k)] if args.use_score_centering else []),
         *extra_args,
         *passthrough_cli_args(args, "vllm"),
         *override_args,

@@ -1,4 +1,4 @@
-"""``--rm-type f1``: SQuAD-style token-level F1 between the response and the label."""
+"""``--rm-type f1``: SQuAD-style token-level F1 between the response and the label, as in slime."""
 
 from __future__ import annotations
 
@@ -17,12 +17,17 @@ def normalize_answer(text: str) -> str:
     return " ".join(_ARTICLES_RE.sub(" ", text).split())
 
 
+_EXACT_ONLY = ("yes", "no", "noanswer")  # answers that are right or wrong, never partly right
+
+
 def f1_score(prediction: str, ground_truth: str) -> float:
-    """Token-level F1 of the normalised ``prediction`` against the normalised ``ground_truth``."""
-    pred_tokens = normalize_answer(prediction).split()
-    gold_tokens = normalize_answer(ground_truth).split()
-    if not pred_tokens or not gold_tokens:
-        return float(pred_tokens == gold_tokens)  # both empty → 1.0, one empty → 0.0
+    """Token-level F1 of the normalised ``prediction`` against the normalised ``ground_truth``, as slime's: 0 when
+    they share no token (so also when either is empty after normalisation), and 0 unless equal when either is
+    ``yes``, ``no`` or ``noanswer``."""
+    prediction, ground_truth = normalize_answer(prediction), normalize_answer(ground_truth)
+    if prediction != ground_truth and (prediction in _EXACT_ONLY or ground_truth in _EXACT_ONLY):
+        return 0.0
+    pred_tokens, gold_tokens = prediction.split(), ground_truth.split()
     common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
     if common == 0:
         return 0.0

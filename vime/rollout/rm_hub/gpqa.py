@@ -1,8 +1,15 @@
-"""``--rm-type gpqa``: multiple choice, as in slime. The correct option comes from the sample's metadata
-(``correct_letter``; ``choices`` as a list or dict; ``valid_letters``) or the label (a letter, an option index, or
-an option's text); the chosen one is read from the response after any ``</think>``: an explicit "answer is X" /
-"Answer: (X)", else the last standalone option letter. When no letter can be read, the response scores if it
-contains the correct option's text."""
+"""``--rm-type gpqa``: multiple choice, as in slime.
+
+The correct option comes from the sample's metadata (``correct_letter``; ``choices`` as a list or dict;
+``valid_letters``, default A-J or one per choice) or the label (a letter, an option index, or an option's text). The
+chosen one is read from the response after its last ``</think>``: the first "answer is X" / "X is correct" / "final
+answer: X" (tried in that order), else the last standalone capital option letter. Without both letters, the response
+scores if it contains the text of the correct option (or the metadata's ``correct_answer`` / ``answer_text``, or the
+label); failing that, a chosen letter is compared with the label as a letter.
+
+One difference from slime, whose patterns can read the first letter of a word (``answer is clearly B`` chose C): the
+chosen letter must stand alone.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +17,17 @@ import re
 import string
 from typing import Any
 
-_EXPLICIT_RE = (
-    r"(?:final\s+)?(?:answer|option|choice)\s*(?:is|:)?\s*(?:option\s*)?\(?\b([A-Z])\b\)?",
-    r"\(?\b([A-Z])\b\)?\s*is\s+(?:the\s+)?correct",
+_EXPLICIT_RE = tuple(
+    re.compile(pattern, re.IGNORECASE)
+    for pattern in (
+        r"(?:answer|option|choice)\s*(?:is|:)?\s*\b([A-Z])\b",
+        r"\b([A-Z])\s*is\s*(?:the)?\s*correct",
+        r"final\s*(?:answer|option)\s*(?:is|:)?\s*\b([A-Z])\b",
+    )
 )
 
 
-def _normalize(text: str) -> str:
+def _normalize(text: Any) -> str:
     return re.sub(r"[^a-z0-9]+", " ", str(text).lower()).strip()
 
 
@@ -24,34 +35,33 @@ def _options(metadata: dict) -> tuple[list[str], list[str]]:
     """(the options' letters, their texts) from the metadata."""
     choices = metadata.get("choices") or []
     choices = [str(c) for c in (choices.values() if isinstance(choices, dict) else choices)]
-    letters = metadata.get("valid_letters")
-    if letters:
-        letters = [str(letter).strip().upper() for letter in letters]
+    if metadata.get("valid_letters"):
+        letters = [str(letter).upper() for letter in metadata["valid_letters"]]
     else:
         letters = list(string.ascii_uppercase[: len(choices) or 10])
     return letters, choices
 
 
 def _correct_letter(label: Any, metadata: dict, letters: list[str], choices: list[str]) -> str | None:
+    if isinstance(label, int | float) and 0 <= int(label) < len(letters):  # an index wins, as in slime
+        return letters[int(label)]
     if isinstance(metadata.get("correct_letter"), str):
         return metadata["correct_letter"].strip().upper()
-    if isinstance(label, int | float) and 0 <= int(label) < len(letters):
-        return letters[int(label)]
-    text = str(label or "").strip()
-    if text.upper() in letters:
+    text = label.strip() if isinstance(label, str) else ""
+    if len(text) == 1 and text.upper() in letters:
         return text.upper()
-    matches = [i for i, choice in enumerate(choices) if _normalize(choice) == _normalize(text)]
-    return letters[matches[0]] if matches and matches[0] < len(letters) else None
+    for index, choice in enumerate(choices):
+        if text and _normalize(choice) == _normalize(text):
+            return letters[index]
+    return None
 
 
 def _chosen_letter(response: str, letters: list[str]) -> str | None:
     for pattern in _EXPLICIT_RE:
-        found = [
-            m.upper() for m in re.findall(pattern, response, flags=re.IGNORECASE) if m.upper() in letters
-        ]
-        if found:
-            return found[-1]
-    standalone = [m for m in re.findall(r"\b([A-Z])\b", response) if m in letters]
+        match = pattern.search(response)
+        if match and match.group(1).upper() in letters:
+            return match.group(1).upper()
+    standalone = [letter for letter in re.findall(r"\b([A-Z])\b", response) if letter in letters]
     return standalone[-1] if standalone else None
 
 
@@ -61,10 +71,14 @@ def compute_gpqa_reward(response: str, label: Any, metadata: dict | None = None)
     letters, choices = _options(metadata)
     correct = _correct_letter(label, metadata, letters, choices)
     chosen = _chosen_letter(text, letters)
-    if chosen is not None and correct is not None:
+    if chosen and correct:
         return float(chosen == correct)
-    targets = [str(label or "")]
+    label_text = label.strip() if isinstance(label, str) else ""
+    targets = [metadata.get("correct_answer"), metadata.get("answer_text"), label_text]
     if correct in letters and letters.index(correct) < len(choices):
         targets.append(choices[letters.index(correct)])
-    normalized = _normalize(text)
-    return float(any(_normalize(t) and _normalize(t) in normalized for t in targets))
+    if any(_normalize(t) and _normalize(t) in _normalize(text) for t in targets if t):
+        return 1.0
+    if chosen and not correct and label_text:
+        return float(chosen == label_text.upper())
+    return 0.0

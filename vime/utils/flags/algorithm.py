@@ -35,6 +35,32 @@ ALGORITHM = [
         "--normalize-advantages",
         dict(action="store_true", help="Whiten advantages over the data-parallel batch."),
     ),
+    (
+        "--pg-loss-type",
+        dict(
+            default=None,
+            choices=["ppo", "reinforce"],
+            help="Policy-gradient objective (slime): ppo (clipped ratio) or reinforce (−A·logp, no ratio). "
+            "Default: reinforce with --use-score-centering, else ppo.",
+        ),
+    ),
+    (
+        "--use-score-centering",
+        dict(
+            action="store_true",
+            help="REINFORCE with score centering (slime; arXiv:2609.20807): subtract the sampler's expected score, "
+            "estimated from its top-k head (--score-centering-top-k) and a modeled tail, so a constant advantage "
+            "gives no gradient; composes with --use-tis (TIS or icepop). vime's rollout records the sampler's head "
+            "of every token (a custom generate function must set rollout_topk_token_ids / rollout_topk_log_probs). "
+            "Needs untruncated sampling (--rollout-top-p 1, --rollout-top-k -1) and --train-backend fsdp.",
+        ),
+    ),
+    (
+        "--score-centering-top-k",
+        dict(
+            type=int, default=128, help="Score centering: the sampler's most likely tokens kept per position."
+        ),
+    ),
     ("--eps-clip", dict(type=float, default=0.2, help="PPO clip range (lower).")),
     ("--eps-clip-high", dict(type=float, default=None, help="PPO clip range (upper; default --eps-clip).")),
     ("--eps-clip-c", dict(type=float, default=None, help="Dual-clip constant (> 1).")),
@@ -203,6 +229,14 @@ ALGORITHM = [
             default=None,
             help="fn(args, rollout_id, buffer, num_groups) -> groups it takes out of the data buffer (slime); "
             "default: the first ones.",
+        ),
+    ),
+    (
+        "--buffer-sort-by-staleness",
+        dict(
+            action="store_true",
+            help="Serve buffered groups (aborted partial rollouts) oldest weight version first, unversioned ones "
+            "last (slime); --buffer-filter-path takes precedence.",
         ),
     ),
     (
