@@ -63,16 +63,20 @@ def engine_log_probs(url: str, model: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perturb(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """Add noise of half each weight matrix's standard deviation to it (norms and biases are left as they are)."""
-    for param in model.parameters():
-        if isinstance(param, DTensor):  # FSDP2: this rank's shard
-            param = param.to_local()
-        if param.dim() >= 2 and param.is_floating_point():
-            noise = torch.randn(
-                param.shape, generator=generator, device=generator.device, dtype=torch.float32
-            )
-            param.add_((noise * (0.5 * param.float().std())).to(param.dtype))
+def perturb(model: torch.nn.Module, generator: torch.Generator, built: list[torch.Tensor]) -> None:
+    """Set each weight matrix to its built value (kept in ``built``, filled on the first call) plus fresh noise of
+    half its standard deviation, so the model stays as far from the built one at every repeat instead of drifting
+    (norms and biases are left as they are)."""
+    matrices = [
+        param.to_local() if isinstance(param, DTensor) else param  # FSDP2: this rank's shard
+        for param in model.parameters()
+    ]
+    matrices = [m for m in matrices if m.dim() >= 2 and m.is_floating_point()]
+    if not built:
+        built.extend(m.detach().clone() for m in matrices)
+    for param, original in zip(matrices, built, strict=True):
+        noise = torch.randn(param.shape, generator=generator, device=generator.device, dtype=torch.float32)
+        param.copy_((original.float() + noise * (0.5 * original.float().std())).to(param.dtype))
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -142,6 +146,7 @@ def main() -> None:
     ]
     runs: dict[str, list[dict]] = {f"{t}/{layout}": [] for t, layout in cases}
     generator = torch.Generator(device="cuda").manual_seed(0)
+    built: list[torch.Tensor] = []
     name = f"weight_sync_{opts.backend}_{opts.shape}_{'2gpu' if split else '1gpu'}"
     version = 0
     try:
@@ -150,7 +155,7 @@ def main() -> None:
             for transport_name, layout in cases:
                 args.update_weight_transport = transport_name
                 transport = make_transport(args, [engine.url], str(work / "weights"), 0)
-                perturb(model, generator)
+                perturb(model, generator, built)
                 want = trainer.compute_log_probs([sample])[0]
                 before = engine_log_probs(engine.url, str(model_dir))
                 buckets = trainer.iter_weight_buckets(
