@@ -46,12 +46,14 @@ class EngineCounter:
         return self.worker is None or proc.environ().get(WORKER_ENV) == self.worker
 
     def _scan(self) -> None:
-        for proc in psutil.process_iter(["cmdline", "create_time"]):
+        # asked of each process, not through process_iter(attrs): psutil shares its Process objects between threads'
+        # process_iter calls, so another thread's call (a fault script's) can replace ``proc.info`` meanwhile
+        for proc in psutil.process_iter():
             try:
-                cmdline = proc.info["cmdline"] or []
+                cmdline = proc.cmdline()
                 # the server itself (not its process guard)
                 if cmdline[1:3] == ["-m", ENGINE_COMMAND] and self._mine(proc):
-                    key = (proc.pid, proc.info["create_time"])
+                    key = (proc.pid, proc.create_time())
                     if key not in self.seen:
                         self.seen.add(key)
                         self.per_file[self.current_file or "(between tests)"] += 1

@@ -33,6 +33,7 @@ PROMPT = [5, 6, 7]
 # answers (its /metrics, the pause itself) can lag the engine by seconds.
 CONTEXT = 8192
 LONG = CONTEXT - 16  # max_tokens of a long request: ~12 s of decoding at n=4
+KEPT = 2048  # max_tokens of the request a pause(keep) freezes: it then decodes to the end (a quarter of LONG's cost)
 
 
 @pytest.fixture(scope="module")
@@ -86,24 +87,28 @@ async def _running_at_least(
     return running
 
 
-def _finished_before_pause(request: asyncio.Task) -> bool:
+def _finished_before_pause(request: asyncio.Task, max_tokens: int) -> bool:
     if not request.done():
         return False
     status, result = request.result()
     return status == 200 and all(
-        c["finish_reason"] == "length" and len(c["token_ids"]) == LONG for c in result["choices"]
+        c["finish_reason"] == "length" and len(c["token_ids"]) == max_tokens for c in result["choices"]
     )
 
 
 async def _pause_mid_flight(
-    session: aiohttp.ClientSession, client: EngineControlClient, served: SimpleNamespace, mode: str
+    session: aiohttp.ClientSession,
+    client: EngineControlClient,
+    served: SimpleNamespace,
+    mode: str,
+    max_tokens: int = LONG,
 ) -> asyncio.Task:
-    """Send a long request (n=4) through the router; once the engine runs its 4 samples, pause the engine with
-    ``mode`` and return the request.
+    """Send a long request (n=4, ``max_tokens`` each) through the router; once the engine runs its 4 samples,
+    pause the engine with ``mode`` and return the request.
 
     Retried (5 tries) when the pause missed the request: it finished first, or with ``abort`` it had not reached
     the engine yet and is held until resume (not aborted; see the abort test)."""
-    body = _body(served, n=4, max_tokens=LONG, ignore_eos=True)
+    body = _body(served, n=4, max_tokens=max_tokens, ignore_eos=True)
     missed = []
     for _ in range(5):
         started = time.monotonic()
@@ -115,7 +120,7 @@ async def _pause_mid_flight(
         else:
             await client.pause(mode)
             await asyncio.wait([request], timeout=1.0 if mode == "keep" else 5.0)
-            if not _finished_before_pause(request) and (mode == "keep" or request.done()):
+            if not _finished_before_pause(request, max_tokens) and (mode == "keep" or request.done()):
                 return request
             missed.append(f"{'finished before' if request.done() else 'not ended by'} the pause ({seen})")
             await client.resume()
@@ -219,7 +224,7 @@ async def _is_paused(url: str) -> bool:
 def test_pause_keep_freezes_in_flight_requests_until_resume(served):
     async def main() -> None:
         async with aiohttp.ClientSession() as session, EngineControlClient(served.engine.url) as client:
-            request = await _pause_mid_flight(session, client, served, "keep")
+            request = await _pause_mid_flight(session, client, served, "keep", KEPT)
             assert not request.done(), "a kept request must not finish while the engine is paused"
             assert await client.reset_prefix_cache()
             await client.resume()
@@ -227,7 +232,7 @@ def test_pause_keep_freezes_in_flight_requests_until_resume(served):
             assert status == 200
             for choice in result["choices"]:
                 token_ids, _ = _tokens_and_logprobs(choice)
-                assert choice["finish_reason"] == "length" and len(token_ids) == LONG
+                assert choice["finish_reason"] == "length" and len(token_ids) == KEPT
 
     asyncio.run(main())
 
