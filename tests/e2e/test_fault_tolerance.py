@@ -221,11 +221,22 @@ class FaultScript(threading.Thread):
         busy = max(before, key=lambda url: before[url]["running"])
         victims = list(before) if engines > 1 else [busy]
         fault["victims"] = victims
+        # what is in flight on the victims when they die: their engine processes are frozen first, so nothing finishes
+        # between the count and the fault, and their API servers (still answering) then count what finished since the
+        # poll (a loaded machine once let a group finish in between: the gauges read while generating overcounted, and
+        # an engine's gauges keep their last values once it is idle, so only its finished-requests counter tells)
+        frozen = {url: psutil.Process(self._pids[url]).children(recursive=True) for url in victims}
+        for procs in frozen.values():
+            _signal_all(procs, signal.SIGSTOP)
+        time.sleep(0.5)  # the API servers take in the last outputs the engine processes sent
+        finished = self.engine_counts(timeout=60, urls=victims)
         if router:
             os.kill(router_pid, signal.SIGKILL)
             fault["router_killed"] = True
         for url in victims:
             os.kill(self._pids[url], signal.SIGSTOP if hang else signal.SIGKILL)
+            if not hang:  # as when only the API server dies: its engine processes see it gone and exit
+                _signal_all(frozen[url], signal.SIGCONT)
         fault["at"] = time.monotonic()
         self.faults.append(fault)
         self.wait(
@@ -234,7 +245,10 @@ class FaultScript(threading.Thread):
         )
         # a busy CPU engine may answer slowly, and one left out would undercount
         after = self.engine_counts(timeout=60)
-        fault["in_flight"] = sum(before[url]["running"] + before[url]["waiting"] for url in victims)
+        fault["in_flight"] = sum(
+            before[url]["running"] + before[url]["waiting"] - (finished[url]["done"] - before[url]["done"])
+            for url in victims
+        )
         in_hand = {url: c["done"] + c["running"] + c["waiting"] for url, c in before.items()}
         fault["generated_again"] = sum(
             count["done"] - in_hand.get(url, 0.0) for url, count in after.items() if url not in victims
@@ -261,6 +275,14 @@ class FaultScript(threading.Thread):
         psutil.Process(pid).wait(timeout=30)
         self.faults.append({"sync": version, "victims": [url], "at": time.monotonic()})
         self.release(version)
+
+
+def _signal_all(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _script_train(s: FaultScript) -> None:

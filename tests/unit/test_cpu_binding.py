@@ -33,7 +33,11 @@ def test_vllms_own_choice_stands_alone_or_when_the_user_set_it():
 def test_the_engine_server_starts_with_its_share(monkeypatch):
     monkeypatch.delenv(BIND_ENV, raising=False)
     args = argparse.Namespace(
-        hf_checkpoint="/m", rollout_seed=1, rollout_num_gpus_per_engine=1, engine_start_timeout=60
+        hf_checkpoint="/m",
+        rollout_seed=1,
+        rollout_num_gpus_per_engine=1,
+        engine_start_timeout=60,
+        use_score_centering=False,
     )
     engine = VLLMEngine(args, cpu_share=(1, 2))
     assert engine.env[BIND_ENV] == cpu_bind_env((1, 2), environ={})[BIND_ENV]
