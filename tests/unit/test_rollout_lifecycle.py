@@ -89,8 +89,9 @@ def test_a_rollout_function_with_hooks_gets_each_at_its_point(model_dir, tmp_pat
     manager.set_weight_version(3)
     manager.save(0, tmp_path / "ckpt")
     manager.shutdown()
+    # first the state just before rollout 0 draws (a checkpoint of the rollout before would take it)
     assert EVENTS[1:] == [
-        ("state_dict",),  # the state just before rollout 0 draws (a checkpoint of the rollout before takes it)
+        ("state_dict",),
         ("rollout", 0),
         ("eval", 0),
         ("before_weight_update",),

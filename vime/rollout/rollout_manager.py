@@ -241,6 +241,15 @@ class RolloutManager:
             return self.monitor.live_urls()
         return [engine.url for engine in self.engines]
 
+    def stranded_engines(self) -> list[str]:
+        """``--use-fault-tolerance``: the replacement engines waiting for weights when no engine is left to serve.
+        Raises the monitor's error once it has given up (an engine past ``--rollout-max-engine-restarts``), so a
+        rollout left without engines stops the run then instead of retrying its requests for the replacement window."""
+        if self.monitor is None:
+            return []
+        self.monitor.raise_if_fatal()
+        return self.monitor.stranded()
+
     def ensure_engines_healthy(self) -> None:
         """``--use-fault-tolerance``: replace dead engines now (before a weight sync); a no-op without it."""
         if self.monitor is not None:
