@@ -2,8 +2,8 @@
 manager's actor, which owns the engines and holds the training groups' handles (``RolloutManagerActor.update_weights``).
 
 The manager drives, not the trainers: most steps are the manager's own (wake the engines, the rollout functions'
-hooks, engine health and URLs, the engines' side of the weight check, the version and re-admitting replacements),
-and the one that is the trainers' (push the weights, score the check sequence, offload) is one call to their group.
+hooks, engine health and URLs, the engines' side of the weight check, the version and re-admitting replacements);
+the trainers' steps (push the weights, score the check sequence, offload) are calls to their groups.
 A sync between loop steps, its retry when an engine dies during it, and a push to replacement engines stranded in
 the middle of a rollout all go through :meth:`WeightUpdate.update`, weight check included.
 """
