@@ -311,7 +311,8 @@ class RolloutManager:
             self.functions.load(rollout_id, load_dir)
 
     def shutdown(self) -> None:
-        """Close the rollout's HTTP sessions, stop the router (if vime started it) and every engine."""
+        """Stop the rollout functions (their ``stop`` hooks), close the rollout's HTTP sessions, stop the router (if
+        vime started it) and every engine."""
         if self.monitor is not None:
             self.monitor.stop()
             self.router = self.monitor.router if self.router is not None else None  # a restarted one
