@@ -8,9 +8,10 @@ its last weights after it exits.
 The ``train_async.py`` run also checks the fully-async rollout's bookkeeping: no trained sample lags the weights that
 train on it by more than ``--max-staleness`` (read from every sample's ``weight_versions`` in
 ``--save-debug-rollout-data``, against the trainer's version counted independently: train_async.py trains rollout r
-on weight version r + 1); the worker does run ahead (lag 2 occurs); the final checkpoint's data buffer holds exactly
-the drawn, untrained groups. (The default rollout under ``train_async.py`` is run by ``test_train_loop.py`` and
-``test_fault_tolerance.py``; learning with off-policy samples is shown here with the larger lag.)"""
+on weight version r + 1); the worker does run ahead (lag 2 occurs); the final checkpoint's data buffer (as the
+fully-async rollout's ``state_dict`` hook saves it) holds exactly the drawn, untrained groups. (The default rollout
+under ``train_async.py`` is run by ``test_train_loop.py`` and ``test_fault_tolerance.py``; learning with off-policy
+samples is shown here with the larger lag.)"""
 
 from __future__ import annotations
 
@@ -126,8 +127,12 @@ def _check_fully_async_bookkeeping(run_dir: Path, train: list[dict], num_rollout
         trained_groups += [group[0]["group_index"] for group in data["samples"]]
     assert MAX_STALENESS in all_lags  # the worker generated ahead, across a weight sync
 
-    # the checkpoint of the last rollout: the groups in flight at the end, as prompts, and nothing trained
-    state = json.loads((run_dir / "ckpt" / f"iter_{num_rollout - 1:07d}" / "data_source.json").read_text())
+    # the checkpoint of the last rollout: the groups in flight at the end, as prompts, and nothing trained (the
+    # fully-async rollout's state: the data buffer's with the groups its worker held put back)
+    saved = json.loads(
+        (run_dir / "ckpt" / f"iter_{num_rollout - 1:07d}" / "rollout_function.json").read_text()
+    )
+    state = saved["rollout"]["data_source"]
     held = [group[0]["group_index"] for group in state["buffer"]]
     assert held and sorted(trained_groups + held) == list(range(state["next_group_index"]))
     assert all(

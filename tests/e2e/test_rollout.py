@@ -233,7 +233,7 @@ def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
     dropped): requests in flight when the engine pauses in place are held (none finishes) and finish after resume
     stamped with the version they were sent at; the worker draws nothing while the weights change, though dropped
     groups leave room; groups two versions old are generated again."""
-    source, saved_fn = manager.data_source, manager.rollout_fn
+    source, saved_fn = manager.data_source, manager.functions.rollout
     url = manager.engine_urls()[0]
 
     async def control(method: str, **kw) -> None:
@@ -243,13 +243,15 @@ def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
         finally:
             await client.close()
 
+    rollout = fully_async_rollout.FullyAsyncRollout(manager.args, source)
+
     def worker():
-        return fully_async_rollout._workers[id(source)]
+        return rollout.worker
 
     def idle_with(ready: int) -> bool:
         return len(worker().ready) == ready and not worker().in_flight
 
-    manager.rollout_fn = fully_async_rollout.generate_rollout
+    manager.functions.rollout = rollout  # its hooks are called as the run's rollout function's
     try:
         with overrides(
             manager.args,
@@ -289,9 +291,9 @@ def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
             assert stale.metrics["fully_async/regenerated_groups"] == B
             assert all(s.weight_versions == [2] for g in stale.samples for s in g)
     finally:
-        manager.rollout_fn = saved_fn
-        fully_async_rollout.stop(source)
-    assert not fully_async_rollout.is_running(source)
+        manager.functions.rollout = saved_fn
+        rollout.stop()
+    assert rollout.worker.stopped and not rollout.worker.in_flight
 
 
 def test_killing_the_router_mid_run_gives_a_clear_error(tiny_model_dir, tmp_path, engine_pool):

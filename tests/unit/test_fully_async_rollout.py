@@ -306,14 +306,14 @@ def test_a_checkpoint_holds_every_drawn_untrained_group_as_a_prompt():
     )
 
 
-def test_manager_hooks_are_no_ops_without_a_worker():
+def test_lifecycle_hooks_are_no_ops_without_a_worker():
     args = make_args()
     source = make_source(args)
-    fully_async_rollout.before_weight_update(source)
-    fully_async_rollout.after_weight_update(source)
-    fully_async_rollout.stop(source)
-    assert fully_async_rollout.data_source_state(source) == source.state_dict()
-    assert not fully_async_rollout.is_running(source)
+    rollout = fully_async_rollout.FullyAsyncRollout(args, source)
+    rollout.before_weight_update()
+    rollout.after_weight_update(2)
+    rollout.stop()
+    assert rollout.state_dict() == {} and rollout.worker is None
 
 
 # -- through the rollout manager (no engines: groups finish at once) -----------------------------------------------
@@ -357,15 +357,21 @@ def test_manager_checkpoint_of_a_one_step_ahead_loop_loses_and_repeats_no_prompt
         manager.set_weight_version(1)
         upcoming = manager.generate(2, train_version=2)
         manager.save(1, tmp_path / "ckpt")
-        assert fully_async_rollout.is_running(manager.data_source)
+        worker = manager.functions.rollout.worker
         lags = [r.metrics["fully_async/staleness_max"] for r in (*trained, upcoming)]
         assert lags == [0, 1, 1]
     finally:
         manager.shutdown()
-    assert not fully_async_rollout.is_running(manager.data_source)
+    assert worker.stopped and not worker.in_flight
 
-    resumed = RolloutDataSource(manager_args, None, manager.data_source.dataset)
-    resumed.load(1, tmp_path / "ckpt")
+    resumed_manager = RolloutManager(manager_args, tmp_path / "resumed_logs")
+    resumed_manager.load(1, tmp_path / "ckpt")
+    resumed = resumed_manager.data_source
+    default_rollout = argparse.Namespace(
+        **{**vars(manager_args), "rollout_function_path": "vime.rollout.vllm_rollout.generate_rollout"}
+    )
+    with pytest.raises(ValueError, match="does not load"):  # it would drop the held groups
+        RolloutManager(default_rollout, tmp_path / "default_logs").load(1, tmp_path / "ckpt")
     done = [group[0].group_index for output in trained for group in output.samples]
     held = [group[0].group_index for group in resumed.buffer]
     assert sorted(done + held) == list(range(resumed.next_group_index))

@@ -9,6 +9,8 @@ from vime.backends.vllm_utils.external_engines import external_engines
 from vime.ray.engine_actor import NodeEngines
 from vime.ray.placement_group import Bundles, BundleSlot, engine_placements
 from vime.ray.rollout_batch import RolloutBatch, make_batch
+from vime.ray.train_group import RayTrainGroup
+from vime.ray.weight_update import WeightUpdate
 from vime.rollout.rollout_manager import RolloutManager
 from vime.utils.vllm_config import engine_specs, serving_config
 
@@ -23,23 +25,18 @@ class RayRolloutManager(RolloutManager):
         see :meth:`RolloutManager.generate`)."""
         return make_batch(self.args, self.generate(rollout_id, train_version), dp_sizes)
 
-    # Answered while a rollout runs (their own thread: the "fault" concurrency group).
-    @ray.method(concurrency_group="fault")
-    def stranded_engines(self) -> list[str]:
-        """``--use-fault-tolerance``: the replacement engines waiting for weights when no engine is left to serve.
-        Raises the monitor's error once it has given up (an engine past ``--rollout-max-engine-restarts``), so a
-        rollout left without engines stops the run then instead of retrying its requests for the replacement window."""
-        if self.monitor is None:
-            return []
-        self.monitor.raise_if_fatal()
-        return self.monitor.stranded()
+    def attach_trainers(self, actor: RayTrainGroup, critic: RayTrainGroup | None) -> None:
+        """The training groups whose weights :meth:`update_weights` pushes (the actor's; the critic is offloaded
+        with it under ``--offload-train``)."""
+        self.weight_update = WeightUpdate(self, actor, critic)
 
+    # Its own thread (the "fault" concurrency group): a push to stranded replacements runs during a rollout.
     @ray.method(concurrency_group="fault")
-    def admit_engines(self, urls: list[str], version: int) -> None:
-        """Replacements pushed weight version ``version`` outside a sync (the rollout's only engines now) rejoin
-        the router; new samples are stamped with that version."""
-        self.args.weight_version = version
-        self.monitor.admit_synced(urls)
+    def update_weights(
+        self, version: int, stranded: bool = False, rollout_weights: bool = False
+    ) -> dict[str, float]:
+        """A weight update in one call: see :meth:`vime.ray.weight_update.WeightUpdate.update`."""
+        return self.weight_update.update(version, stranded, rollout_weights)
 
     def describe_engines(self) -> list[dict]:
         """Where each engine runs (``NodeEngine.where``, and the model it serves), in slot order."""

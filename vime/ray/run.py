@@ -13,13 +13,11 @@ import ray
 from ray._private import ray_constants
 
 from vime.backends.vllm_utils import control_auth
-from vime.backends.vllm_utils.control_client import EngineGroup
-from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS, served_dtype
+from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
 from vime.ray.placement_group import bundle_slots, create_placement_groups, num_bundles
 from vime.ray.rollout_batch import RolloutBatch
 from vime.ray.rollout_manager import create_rollout_manager
 from vime.ray.train_group import RayTrainGroup
-from vime.utils import weight_check
 from vime.utils.arg_validation import check_run_paths
 from vime.utils.reaper import start_reaper
 from vime.utils.tracking import Tracker
@@ -96,35 +94,26 @@ class Run:
 
     def wait_rollout(self, rollout: ray.ObjectRef) -> RolloutBatch:
         """Wait for a rollout from :meth:`generate`. With ``--use-fault-tolerance``, meanwhile: once no engine is
-        left to serve (each is a replacement waiting for weights, as after the death of a run's only engine), push
-        weights to them now, since the sync after this rollout would never come: the version the rollout is
-        generated with. When the actor has trained since the last sync (train_async.py), that version is the copy
+        left to serve (each is a replacement waiting for weights, as after the death of a run's only engine), the
+        replacements get weights now, since the sync after this rollout would never come: the version the rollout
+        is generated with. When the actor has trained since the last sync (train_async.py), that version is the copy
         ``--keep-old-actor`` keeps; without the flag the replacements get the actor's weights as the next version
         (the old log-probs then come from the actor anyway)."""
         if self.args.use_fault_tolerance and self.syncs_weights:
             while not ray.wait([rollout], timeout=self.args.rollout_health_check_interval)[0]:
-                if urls := ray.get(self.manager.stranded_engines.remote()):
-                    self._serve_stranded(urls)
+                self._serve_stranded()
         return ray.get(rollout)
 
-    def _serve_stranded(self, urls: list[str]) -> None:
-        """Give the replacements ``urls`` (no other engine left) the rollout's weights, check them, admit them."""
-        print(f"[vime] no engine left to serve the rollout; pushing the weights to the replacements {urls}")
-        if self.trained_since_sync and self.args.keep_old_actor:
-            check = (
-                weight_check.check_tokens(self.args.hf_checkpoint)
-                if self.args.check_weight_update_equal
-                else None
+    def _serve_stranded(self) -> None:
+        """Push the rollout's weights to the stranded replacements, if any (the same call as a sync: checked, then
+        admitted)."""
+        kept = self.trained_since_sync and self.args.keep_old_actor
+        version = self.weight_version + int(self.trained_since_sync and not kept)
+        if ray.get(self.manager.update_weights.remote(version, stranded=True, rollout_weights=kept)):
+            print(
+                f"[vime] no engine was left to serve the rollout: the replacements got weight version {version}"
             )
-            _, expected = self.actor.push_rollout_weights(urls, self.weight_version, self._sync_dir(), check)
-            self.check_engine_weights(urls, expected)
-        else:
-            if self.trained_since_sync:
-                self.weight_version += 1
-                self.trained_since_sync = False
-            self.actor.sync_weights(urls, self.weight_version, self._sync_dir())
-            self.check_engine_weights(urls)
-        ray.get(self.manager.admit_engines.remote(urls, self.weight_version))
+            self.weight_version, self.trained_since_sync = version, kept
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """Train the critic (ppo) and, after ``--num-critic-only-steps``, the actor on one rollout."""
@@ -133,7 +122,7 @@ class Run:
         started = time.monotonic()
         if self.args.offload_rollout and self.has_engines:  # colocated: the engines give the GPUs back
             ray.get(self.manager.sleep.remote())
-        metrics: dict[str, float] = self.onload_trainers()
+        metrics: dict[str, float] = self.onload_trainers()  # the sync offloads them (WeightUpdate)
         actor_inputs, critic_futures = {}, []
         if self.critic is not None:
             values = self.critic.compute("values", batch)
@@ -163,14 +152,6 @@ class Run:
         if self.critic is not None:
             self.critic.onload()
         return metrics
-
-    def offload_trainers(self) -> dict[str, float]:
-        """``--offload-train``: free the actor's (and critic's) GPU memory for the engines; the actor's figures."""
-        if not self.args.offload_train:
-            return {}
-        if self.critic is not None:
-            self.critic.offload()
-        return self.actor.offload() if self.actor is not None else {}
 
     def save(self, rollout_id: int) -> None:
         """Checkpoint the actor, the critic (``--critic-save``) and the data buffer at ``rollout_id`` (``--save``);
@@ -204,70 +185,13 @@ class Run:
         self.tracker.log_eval(rollout_id, ray.get(self.manager.eval.remote(rollout_id)).metrics)
 
     def sync_weights(self) -> dict[str, float]:
-        """Push the actor's weights to every engine as the next weight version."""
+        """Push the actor's weights to every engine as the next weight version: one call to the rollout manager,
+        which runs the sync (:mod:`vime.ray.weight_update`)."""
         if not self.syncs_weights:
             return {}
-        started = time.monotonic()
         self.weight_version += 1
         self.trained_since_sync = False
-        sync_dir = self._sync_dir()
-        ray.get(self.manager.wake_up.remote(["weights"]))  # after a sleep (--offload-rollout); else a no-op
-        ray.get(self.manager.before_weight_update.remote())  # until set_weight_version
-        metrics, synced = self._push_weights(sync_dir)
-        # the trainer's side of the check, before its weights leave the GPU
-        expected = self._trainer_check_log_probs() if self.args.check_weight_update_equal else None
-        metrics |= self.offload_trainers()  # after the sync: it reads the actor's weights
-        ray.get(self.manager.wake_up.remote(["kv_cache"]))
-        if expected is not None:
-            metrics["weight_sync/check_abs_diff"] = self.check_engine_weights(synced, expected)
-        ray.get(self.manager.set_weight_version.remote(self.weight_version, synced))
-        return {**metrics, "time/sync_s": time.monotonic() - started}
-
-    def _trainer_check_log_probs(self) -> list[float]:
-        return self.actor.sequence_log_probs(weight_check.check_tokens(self.args.hf_checkpoint))
-
-    def check_engine_weights(self, urls: list[str], expected: list[float] | None = None) -> float:
-        """``--check-weight-update-equal``: each engine at ``urls`` (the ones just synced) scores the fixed sequence
-        as the actor does (``expected``: the actor's scores, else computed now); the largest mean difference, or
-        ``RuntimeError`` naming the engines off by more than :func:`~vime.utils.weight_check.tolerance`. Asked of
-        the engines directly: this runs during a rollout too, when the rollout manager is busy."""
-        if not self.args.check_weight_update_equal:
-            return 0.0
-        expected = self._trainer_check_log_probs() if expected is None else expected
-        tokens = weight_check.check_tokens(self.args.hf_checkpoint)
-        with EngineGroup(urls) as engines:
-            scores = engines.run(lambda engine: engine.prompt_log_probs(self.args.hf_checkpoint, tokens))
-        # engines vime started run --vllm-dtype; attached ones say what they run
-        engine_dtype = served_dtype(urls[0]) if self.args.rollout_external_engine_addrs and urls else None
-        tol = weight_check.tolerance(self.args, engine_dtype)
-        return weight_check.compare(expected, dict(zip(urls, scores, strict=True)), tol, self.weight_version)
-
-    def _sync_dir(self) -> str:
-        """The disk transport's directory."""
-        return self.args.update_weight_dir or str(self.log_dir / "weight_sync")
-
-    def _push_weights(self, sync_dir: str) -> tuple[dict[str, float], list[str]]:
-        """The actor's weights to every engine (metrics, and the engines that got them); with
-        ``--use-fault-tolerance`` dead engines are replaced first, and a sync an engine died in is done again over
-        the engines as they are then (the dead one replaced), once."""
-
-        def push() -> tuple[dict[str, float], list[str]]:
-            if self.args.use_fault_tolerance:
-                ray.get(self.manager.ensure_engines_healthy.remote())
-            urls = ray.get(self.manager.engine_urls.remote())
-            return self.actor.sync_weights(urls, self.weight_version, sync_dir), urls
-
-        if not self.args.use_fault_tolerance:
-            return push()
-        try:
-            metrics, urls = push()
-            return metrics | {"fault/sync_retries": 0.0}, urls
-        except ray.exceptions.RayTaskError as e:
-            if "EngineControlError" not in str(e):
-                raise
-            print(f"[vime] weight sync {self.weight_version} lost an engine; replacing it and syncing again")
-        metrics, urls = push()
-        return metrics | {"fault/sync_retries": 1.0}, urls
+        return ray.get(self.manager.update_weights.remote(self.weight_version))
 
     def close(self) -> None:
         """Stop engines and router, close the tracker, leave Ray (its actors go with it)."""
@@ -341,6 +265,8 @@ def start_run(args: argparse.Namespace) -> Run:
         start = (
             args.start_rollout_id if args.start_rollout_id is not None else 0 if last is None else last + 1
         )
+        if actor is not None:
+            ray.get(manager.attach_trainers.remote(actor, critic))
         run = Run(args, manager, actor, critic, Tracker(args, log_dir), log_dir, start)
         run.sync_weights()
         _print_elapsed("first weight sync done", started)

@@ -21,7 +21,8 @@ def call_rollout_fn(
     ``TypeError`` naming the function and what it returned; a sample with slime's multimodal inputs raises
     ``ValueError`` (vime's trainers are text-only)."""
     output = fn(*args, evaluation=evaluation, **kwargs)
-    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    # a class's instance (vime.rollout.lifecycle) is named by its class
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
     if evaluation:
         if isinstance(output, dict):
             output = RolloutFnEvalOutput(data=output)

@@ -12,11 +12,10 @@ import argparse
 import copy
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from vime.utils.checkpoint_layout import iteration_dir
+from vime.utils.checkpoint_layout import iteration_dir, write_json_atomic
 from vime.utils.data import PromptDataset, load_prompt_dataset
 from vime.utils.misc import load_function
 from vime.utils.types import Sample, Status
@@ -194,16 +193,7 @@ class RolloutDataSource:
         """Write the state (or an earlier ``state_dict()``) to ``save_dir/iter_{rollout_id:07d}/data_source.json``
         atomically; return the path."""
         path = state_path(save_dir, rollout_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Write a temp file in the same directory and rename it, so a crash never leaves a half-written file.
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{STATE_FILE}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(state if state is not None else self.state_dict(), handle)
-            os.replace(tmp_name, path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        write_json_atomic(path, state if state is not None else self.state_dict())
         return path
 
     def load(self, rollout_id: int, load_dir: str | os.PathLike) -> None:

@@ -1,11 +1,14 @@
 """Fully-async rollout (slime's ``fully_async`` example) with a staleness bound: generation never stops.
 
 ``--rollout-function-path vime.rollout.fully_async_rollout.generate_rollout`` (or slime's name,
-``generate_rollout_fully_async``). The first call starts a worker on the rollout manager's event loop
-(:mod:`vime.utils.async_utils`) that from then on keeps groups in flight through the router, across rollout
-boundaries and weight syncs; each call returns the next ``--rollout-batch-size`` finished groups as soon as they
-are there. Groups go through the same ``generate_group`` as the default rollout (custom generate function,
-rewards, sample hooks), then the dynamic-sampling filter; slime's batch hooks run on each returned batch.
+``generate_rollout_fully_async``) names :class:`FullyAsyncRollout`, a rollout function with state: the rollout
+manager makes it once and calls it like a function, and it takes part in weight syncs, checkpoints and shutdown
+through the lifecycle hooks any rollout function may define (:mod:`vime.rollout.lifecycle`). The first call starts
+a worker on the rollout manager's event loop (:mod:`vime.utils.async_utils`) that from then on keeps groups in
+flight through the router, across rollout boundaries and weight syncs; each call returns the next
+``--rollout-batch-size`` finished groups as soon as they are there. Groups go through the same ``generate_group``
+as the default rollout (custom generate function, rewards, sample hooks), then the dynamic-sampling filter; slime's
+batch hooks run on each returned batch.
 
 **Staleness.** Every sample records the weight version of each request that generated it (``weight_versions``,
 read when the request is sent). Its lag is ``T - min(weight_versions)``, ``T`` being the version the trainer holds
@@ -17,12 +20,12 @@ group only while it would still be trained within the bound (rollouts are served
 most per rollout), and never more than ``--rollout-concurrency`` x engines groups at once.
 
 **Weight syncs.** Engines pause in place during a sync (DESIGN.md §5), so requests in flight finish on the new
-weights and keep the older stamp (conservative). Between :func:`before_weight_update` and
-:func:`after_weight_update` the worker starts no request, so no new request is stamped with a version it will not
-run on. The worker never pauses or aborts engines itself.
+weights and keep the older stamp (conservative). Between the ``before_weight_update`` and ``after_weight_update``
+hooks the worker starts no request, so no new request is stamped with a version it will not run on. The worker
+never pauses or aborts engines itself.
 
 **Checkpoints.** Groups drawn from the data buffer and not yet trained (in flight or finished) are saved in the
-buffer's state as prompts (:func:`data_source_state`): a resumed run generates them again, so no prompt is lost or
+buffer's state as prompts (the ``state_dict`` hook): a resumed run generates them again, so no prompt is lost or
 trained twice. Their responses are not kept, nor are partial responses already in the buffer: their weight
 versions belong to the interrupted run.
 
@@ -322,59 +325,52 @@ class FullyAsyncWorker:
         self.progress.set()
 
 
-# One worker per data buffer (a process has one rollout manager; tests may make several).
-_workers: dict[int, FullyAsyncWorker] = {}
+class FullyAsyncRollout:
+    """``--rollout-function-path``: a rollout function with state (:mod:`vime.rollout.lifecycle`); the manager makes
+    one per data buffer. The first training call starts the worker; the lifecycle hooks pause it during a weight
+    sync, checkpoint the groups it holds, and stop it."""
+
+    def __init__(self, args, data_source):
+        self.args = args
+        self.data_source = data_source
+        self.worker: FullyAsyncWorker | None = None
+
+    def __call__(self, args, rollout_id: int, data_source, evaluation: bool = False):
+        """The next training batch from the worker; eval as the default rollout."""
+        if evaluation:
+            return default_generate_rollout(args, rollout_id, data_source, evaluation=True)
+        if self.worker is None:
+            self.worker = FullyAsyncWorker(self.args, self.data_source)
+            logger.info("fully-async rollout: worker started (--max-staleness %d)", self.worker.max_staleness)
+        train_version = getattr(args, "train_weight_version", args.weight_version)
+        return run(self.worker.next_batch(rollout_id, train_version))
+
+    def before_weight_update(self) -> None:
+        """The worker starts no request until :meth:`after_weight_update`."""
+        if self.worker is not None:
+            run(self.worker.pause())
+
+    def after_weight_update(self, version: int) -> None:
+        """The engines serve ``version`` (``args.weight_version``, which the worker stamps): the worker goes on."""
+        if self.worker is not None:
+            run(self.worker.resume())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data buffer's state with the groups the worker holds back in its buffer (nothing without a worker)."""
+        return {} if self.worker is None else {"data_source": run(self.worker.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the data buffer as :meth:`state_dict` saved it (over the state the manager restored)."""
+        if self.worker is not None:
+            raise RuntimeError(
+                "load the data buffer before the first rollout: a fully-async worker draws from it"
+            )
+        self.data_source.load_state_dict(state["data_source"])
+
+    def stop(self) -> None:
+        """Cancel the worker's requests (at shutdown)."""
+        if self.worker is not None:
+            run(self.worker.stop())
 
 
-async def _next_batch(args, rollout_id: int, data_source) -> RolloutFnTrainOutput:
-    worker = _workers.get(id(data_source))
-    if worker is None:
-        worker = _workers[id(data_source)] = FullyAsyncWorker(args, data_source)
-        logger.info("fully-async rollout: worker started (--max-staleness %d)", worker.max_staleness)
-    return await worker.next_batch(rollout_id, getattr(args, "train_weight_version", args.weight_version))
-
-
-def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
-    """``--rollout-function-path``: the next training batch from the background worker; eval as the default."""
-    if evaluation:
-        return default_generate_rollout(args, rollout_id, data_source, evaluation=True)
-    return run(_next_batch(args, rollout_id, data_source))
-
-
-generate_rollout_fully_async = generate_rollout  # slime's name
-
-
-# -- hooks the rollout manager calls (from its own thread; no-ops when no worker runs on the data buffer) ----------
-
-
-async def _on_worker(data_source, method: str, *args: Any) -> Any:
-    worker = _workers.get(id(data_source))
-    return None if worker is None else await getattr(worker, method)(*args)
-
-
-def before_weight_update(data_source) -> None:
-    """A weight sync starts: the worker starts no request until :func:`after_weight_update`."""
-    run(_on_worker(data_source, "pause"))
-
-
-def after_weight_update(data_source) -> None:
-    """The engines serve the new ``args.weight_version``: the worker goes on."""
-    run(_on_worker(data_source, "resume"))
-
-
-def data_source_state(data_source) -> dict[str, Any]:
-    """The data buffer's state to checkpoint, with the groups the worker holds back in its buffer."""
-    state = run(_on_worker(data_source, "state_dict"))
-    return data_source.state_dict() if state is None else state
-
-
-def is_running(data_source) -> bool:
-    """Whether a worker draws from ``data_source``."""
-    return id(data_source) in _workers
-
-
-def stop(data_source) -> None:
-    """Stop the worker drawing from ``data_source`` (at shutdown)."""
-    worker = _workers.pop(id(data_source), None)
-    if worker is not None:
-        run(worker.stop())
+generate_rollout = generate_rollout_fully_async = FullyAsyncRollout  # vime's and slime's paths

@@ -24,9 +24,9 @@ from vime.backends.vllm_utils.engine_monitor import EngineMonitor
 from vime.backends.vllm_utils.external_engines import external_engines
 from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
 from vime.backends.vllm_utils.router import RouterProcess, connect_router, register_workers
-from vime.rollout import fully_async_rollout
 from vime.rollout.base_types import call_rollout_fn
 from vime.rollout.data_source import RolloutDataSource
+from vime.rollout.lifecycle import RolloutFunctions
 from vime.rollout.sample_metrics import sample_metrics
 from vime.rollout.vllm_generate import close_contexts
 from vime.utils.async_utils import run
@@ -68,20 +68,17 @@ class RolloutManager:
             else RolloutDataSource
         )
         self.data_source = None if args.load_debug_rollout_data else source_class(args, tokenizer)
-        self.rollout_fn = load_function(args.rollout_function_path, "--rollout-function-path")
-        self.eval_fn = load_function(
-            args.eval_function_path or args.rollout_function_path,
-            "--eval-function-path" if args.eval_function_path else "--rollout-function-path",
-        )
+        # the rollout and eval functions, and their lifecycle hooks (vime.rollout.lifecycle)
+        self.functions = RolloutFunctions(args, self.data_source)
         self.engines: list[EngineHandle] = []  # the policy's
         self.monitor: EngineMonitor | None = None  # --use-fault-tolerance
         self.router = None
         # --vllm-config: each frozen model's engines and router
         self.frozen: dict[str, tuple[list[EngineHandle], RouterProcess]] = {}
         self.sleeping: set[str] = set()  # what the engines have freed (--offload-rollout)
-        # (rollout id, data-buffer state just before that rollout drew its prompts): what a checkpoint of the
-        # previous rollout must hold when train_async.py has already started the next one.
-        self._state_before: tuple[int, dict] | None = None
+        # (rollout id, data-buffer and rollout-function states just before that rollout drew its prompts): what a
+        # checkpoint of the previous rollout must hold when train_async.py has already started the next one.
+        self._state_before: tuple[int, dict, dict] | None = None
         args.weight_version = 0
 
     @property
@@ -190,9 +187,9 @@ class RolloutManager:
         elif self.args.load_forge_rollout_data:  # replayed while engines, sync and eval run as usual
             output = load_rollout_data(self.args.load_forge_rollout_data.format(rollout_id=rollout_id))
         else:
-            self._state_before = (rollout_id, self._data_state())
+            self._state_before = (rollout_id, *self._states())
             output = call_rollout_fn(
-                self.rollout_fn, self.args, rollout_id, self.data_source, evaluation=False
+                self.functions.rollout, self.args, rollout_id, self.data_source, evaluation=False
             )
         samples = [s for group in output.samples for s in group]
         output.metrics = {**(output.metrics or {}), **sample_metrics(self.args, samples)}
@@ -216,7 +213,9 @@ class RolloutManager:
 
     def eval(self, rollout_id: int) -> RolloutFnEvalOutput:
         """Run the eval function over ``--eval-prompt-data`` / ``--eval-config``."""
-        output = call_rollout_fn(self.eval_fn, self.args, rollout_id, self.data_source, evaluation=True)
+        output = call_rollout_fn(
+            self.functions.eval, self.args, rollout_id, self.data_source, evaluation=True
+        )
         if self.args.custom_eval_rollout_log_function_path:
             log = load_function(
                 self.args.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path"
@@ -242,6 +241,15 @@ class RolloutManager:
             return self.monitor.live_urls()
         return [engine.url for engine in self.engines]
 
+    def stranded_engines(self) -> list[str]:
+        """``--use-fault-tolerance``: the replacement engines waiting for weights when no engine is left to serve.
+        Raises the monitor's error once it has given up (an engine past ``--rollout-max-engine-restarts``), so a
+        rollout left without engines stops the run then instead of retrying its requests for the replacement window."""
+        if self.monitor is None:
+            return []
+        self.monitor.raise_if_fatal()
+        return self.monitor.stranded()
+
     def ensure_engines_healthy(self) -> None:
         """``--use-fault-tolerance``: replace dead engines now (before a weight sync); a no-op without it."""
         if self.monitor is not None:
@@ -266,52 +274,49 @@ class RolloutManager:
             self.sleeping -= set(tags)
 
     def before_weight_update(self) -> None:
-        """A weight sync starts: the fully-async rollout's worker starts no request until :meth:`set_weight_version`."""
-        if self.data_source is not None:
-            fully_async_rollout.before_weight_update(self.data_source)
+        """The engines' weights are about to change: the rollout functions' ``before_weight_update`` hooks."""
+        self.functions.call("before_weight_update")
 
     def set_weight_version(self, version: int, synced_urls: list[str] | None = None) -> None:
         """Record the policy version the engines now serve (stamped on every new sample); engines restarted by
         ``--use-fault-tolerance`` that received it (``synced_urls``: the engines the sync reached) rejoin the
-        router; a fully-async worker goes on."""
+        router; then the rollout functions' ``after_weight_update`` hooks."""
         self.args.weight_version = version
         if self.monitor is not None:
             self.monitor.admit_synced(synced_urls)
-        if self.data_source is not None:
-            fully_async_rollout.after_weight_update(self.data_source)
+        self.functions.call("after_weight_update", version)
 
     def save(self, rollout_id: int, save_dir: str | Path) -> None:
-        """Save the data buffer's state as of the end of rollout ``rollout_id`` next to the trainer's checkpoint
-        (so a resume at ``rollout_id + 1`` redraws the prompts of a next rollout already generated)."""
+        """Save the data buffer's state and the rollout functions' (their ``state_dict`` hooks) as of the end of
+        rollout ``rollout_id`` next to the trainer's checkpoint (so a resume at ``rollout_id + 1`` redraws the
+        prompts of a next rollout already generated)."""
         if self.data_source is None:
             return
         if self._state_before is not None and self._state_before[0] == rollout_id + 1:
-            state = self._state_before[1]
+            _, data_state, functions_state = self._state_before
         else:
-            state = self._data_state()
-        self.data_source.save(rollout_id, save_dir, state)
+            data_state, functions_state = self._states()
+        self.data_source.save(rollout_id, save_dir, data_state)
+        self.functions.save(rollout_id, save_dir, functions_state)
 
-    def _data_state(self) -> dict:
-        """The data buffer's state; with the fully-async rollout, the groups its worker holds (drawn, not trained)
-        count as buffered, so a resume draws them again."""
-        return fully_async_rollout.data_source_state(self.data_source)
+    def _states(self) -> tuple[dict, dict]:
+        """The data buffer's state and the rollout functions'."""
+        return self.data_source.state_dict(), self.functions.state_dict()
 
     def load(self, rollout_id: int, load_dir: str | Path) -> None:
-        """Restore the data buffer saved at ``rollout_id`` (before the first rollout)."""
+        """Restore the data buffer saved at ``rollout_id``, then the rollout functions' states (before the first
+        rollout)."""
         if self.data_source is not None:
-            if fully_async_rollout.is_running(self.data_source):
-                raise RuntimeError(
-                    "load the data buffer before the first rollout: a fully-async worker draws from it"
-                )
             self.data_source.load(rollout_id, load_dir)
+            self.functions.load(rollout_id, load_dir)
 
     def shutdown(self) -> None:
-        """Close the rollout's HTTP sessions, stop the router (if vime started it) and every engine."""
+        """Stop the rollout functions (their ``stop`` hooks), close the rollout's HTTP sessions, stop the router (if
+        vime started it) and every engine."""
         if self.monitor is not None:
             self.monitor.stop()
             self.router = self.monitor.router if self.router is not None else None  # a restarted one
-        if self.data_source is not None:
-            fully_async_rollout.stop(self.data_source)
+        self.functions.call("stop")
         run(close_contexts())
         routers = [self.router] + [router for _, router in self.frozen.values()]
         for router in routers:

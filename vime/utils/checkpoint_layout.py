@@ -4,8 +4,12 @@ restores."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +33,21 @@ def latest_iteration(load_dir: str | Path | None) -> int | None:
 def mark_latest(save_dir: str | Path, rollout_id: int) -> None:
     """Declare ``iter_{rollout_id}`` complete (call once every rank's files are written)."""
     (Path(save_dir) / LATEST_FILE).write_text(str(rollout_id))
+
+
+def write_json_atomic(path: str | Path, value: Any) -> None:
+    """Write ``value`` as JSON to ``path`` through a temporary file in its directory and a rename, so that a crash
+    never leaves a half-written file (the directory is made if missing)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(value, handle)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
 
 
 def host_rng_state() -> dict:

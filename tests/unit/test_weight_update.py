@@ -1,0 +1,217 @@
+"""A weight update as one call (vime.ray.weight_update), with a fake manager and training groups and fake engines
+that score the check sequence over HTTP: a sync runs its steps in order, a sync an engine died in is done again
+once, stranded replacements get the rollout's weights, and the weights check runs on every path that admits an
+engine (a mismatch admits none)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import pytest
+import ray
+from aiohttp import web
+from fake_http import serve_posts
+
+from vime.ray.weight_update import WeightUpdate
+from vime.utils.async_utils import run
+
+TRAINER = "trainer"
+ROLLOUT = "kept copy"
+
+
+class FakeManager:
+    """The rollout manager's side: records each step in ``calls``."""
+
+    def __init__(self, args, log_dir, calls: list, urls: list[str], stranded: list[str] | None = None):
+        self.args, self.log_dir, self.calls, self.urls, self.stranded = (
+            args,
+            log_dir,
+            calls,
+            urls,
+            stranded or [],
+        )
+
+    def stranded_engines(self) -> list[str]:
+        return self.stranded
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", *tags))
+
+    def before_weight_update(self):
+        self.calls.append(("before_weight_update",))
+
+    def ensure_engines_healthy(self):
+        self.calls.append(("ensure_engines_healthy",))
+
+    def engine_urls(self):
+        self.calls.append(("engine_urls",))
+        return self.urls
+
+    def set_weight_version(self, version, urls):
+        self.calls.append(("set_weight_version", version, urls))
+
+
+class FakeGroup:
+    """A training group: pushes (failing as told), scores the check sequence, offloads."""
+
+    def __init__(self, name: str, calls: list, fail_pushes: int = 0):
+        self.name, self.calls, self.fail_pushes = name, calls, fail_pushes
+
+    def sync_weights(self, urls, version, disk_dir):
+        self.calls.append(("sync_weights", urls, version, disk_dir))
+        if self.fail_pushes:
+            self.fail_pushes -= 1
+            raise ray.exceptions.RayTaskError(
+                "sync_weights", "EngineControlError: engine died", RuntimeError()
+            )
+        return {"weight_sync/time_s": 0.5, "weight_sync/engines": float(len(urls))}
+
+    def push_rollout_weights(self, urls, version, disk_dir, tokens):
+        self.calls.append(("push_rollout_weights", urls, version, disk_dir))
+        return {"weight_sync/time_s": 0.5}, scores(ROLLOUT, tokens)
+
+    def sequence_log_probs(self, tokens):
+        self.calls.append(("sequence_log_probs",))
+        return scores(TRAINER, tokens)
+
+    def offload(self):
+        self.calls.append((f"{self.name}.offload",))
+        return {"offload/freed_gb": 1.0}
+
+
+def scores(weights: str, tokens: list[int]) -> list[float]:
+    """The check sequence's log-probs under ``weights`` (each set scores differently)."""
+    return [-0.1 * (len(weights) % 7 + 1) * (i + 1) for i in range(len(tokens) - 1)]
+
+
+@pytest.fixture
+def engines(tmp_path):
+    """Start fake engines: ``engines(weights, ...)`` gives one URL per engine, each scoring as ``weights``."""
+    runners = []
+
+    def start(*held: str) -> list[str]:
+        urls = []
+        for weights in held:
+
+            async def completions(request: web.Request, weights=weights) -> web.Response:
+                tokens = (await request.json())["prompt"]
+                logprobs = [None] + [
+                    {str(token): {"logprob": lp}}
+                    for token, lp in zip(tokens[1:], scores(weights, tokens), strict=True)
+                ]
+                return web.json_response({"choices": [{"prompt_logprobs": logprobs}]})
+
+            runner, url = run(serve_posts({"/v1/completions": completions}))
+            runners.append(runner)
+            urls.append(url)
+        return urls
+
+    yield start
+    for runner in runners:
+        run(runner.cleanup())
+
+
+@pytest.fixture
+def args(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    return argparse.Namespace(
+        hf_checkpoint=str(model), check_weight_update_equal=True, update_weight_dir=None,
+        use_fault_tolerance=True, offload_train=True, rollout_external_engine_addrs=None, vllm_dtype="float32",
+        bf16=False, fp16=False,
+    )  # fmt: skip
+
+
+def test_a_sync_runs_its_steps_in_order_and_checks_every_engine(args, tmp_path, engines):
+    calls: list = []
+    urls = engines(TRAINER, TRAINER)
+    update = WeightUpdate(
+        FakeManager(args, tmp_path, calls, urls), FakeGroup("actor", calls), FakeGroup("critic", calls)
+    )
+    metrics = update.update(7)
+    sync_dir = str(tmp_path / "weight_sync")
+    assert calls == [
+        ("wake_up", "weights"),
+        ("before_weight_update",),
+        ("ensure_engines_healthy",),
+        ("engine_urls",),
+        ("sync_weights", urls, 7, sync_dir),
+        ("sequence_log_probs",),  # the trainer's side of the check, before its weights leave the GPU
+        ("critic.offload",),
+        ("actor.offload",),
+        ("wake_up", "kv_cache"),
+        ("set_weight_version", 7, urls),
+    ]
+    assert metrics.pop("time/sync_s") >= 0
+    assert metrics == {
+        "weight_sync/time_s": 0.5, "weight_sync/engines": 2.0, "fault/sync_retries": 0.0, "offload/freed_gb": 1.0,
+        "weight_sync/check_abs_diff": 0.0,
+    }  # fmt: skip
+
+
+def test_a_sync_an_engine_died_in_is_done_again_once(args, tmp_path, engines):
+    calls: list = []
+    urls = engines(TRAINER)
+    manager = FakeManager(args, tmp_path, calls, urls)
+    metrics = WeightUpdate(manager, FakeGroup("actor", calls, fail_pushes=1), None).update(3)
+    assert [call[0] for call in calls].count("ensure_engines_healthy") == 2  # the dead engine replaced first
+    assert metrics["fault/sync_retries"] == 1.0 and calls[-1] == ("set_weight_version", 3, urls)
+
+    calls.clear()
+    with pytest.raises(ray.exceptions.RayTaskError):  # twice: the run stops
+        WeightUpdate(manager, FakeGroup("actor", calls, fail_pushes=2), None).update(4)
+    assert not [call for call in calls if call[0] == "set_weight_version"]
+
+
+@pytest.mark.parametrize(("kept", "pushed"), [(True, "push_rollout_weights"), (False, "sync_weights")])
+def test_stranded_replacements_get_the_rollouts_weights_checked_then_admitted(
+    args, tmp_path, engines, kept, pushed
+):
+    calls: list = []
+    urls = engines(ROLLOUT if kept else TRAINER)
+    manager = FakeManager(args, tmp_path, calls, ["http://serving"], stranded=urls)
+    metrics = WeightUpdate(manager, FakeGroup("actor", calls), None).update(5, True, rollout_weights=kept)
+    assert [call[0] for call in calls] == [
+        "wake_up",
+        "before_weight_update",
+        pushed,
+        *([] if kept else ["sequence_log_probs"]),
+        "set_weight_version",
+    ]
+    assert calls[2][1:3] == (urls, 5) and calls[-1] == ("set_weight_version", 5, urls)
+    assert metrics["weight_sync/check_abs_diff"] == 0.0
+
+
+def test_nothing_is_pushed_while_no_replacement_is_stranded(args, tmp_path):
+    calls: list = []
+    update = WeightUpdate(
+        FakeManager(args, tmp_path, calls, ["http://serving"]), FakeGroup("actor", calls), None
+    )
+    assert update.update(5, stranded=True) == {} and calls == []
+
+
+@pytest.mark.parametrize("path", ["sync", "stranded", "stranded, kept copy"])
+def test_an_engine_off_the_pushed_weights_stops_the_update_and_is_not_admitted(args, tmp_path, engines, path):
+    calls: list = []
+    expected = ROLLOUT if path == "stranded, kept copy" else TRAINER
+    good, bad = engines(expected, "other weights")
+    stranded = [good, bad] if path != "sync" else None
+    manager = FakeManager(args, tmp_path, calls, [good, bad], stranded)
+    update = WeightUpdate(manager, FakeGroup("actor", calls), None)
+    with pytest.raises(RuntimeError, match=f"after weight sync 2 .*{re.escape(bad)}") as raised:
+        update.update(2, stranded is not None, rollout_weights=path == "stranded, kept copy")
+    assert good not in str(raised.value)
+    assert not [call for call in calls if call[0] == "set_weight_version"]
+
+
+def test_no_check_without_the_flag(args, tmp_path, engines):
+    args.check_weight_update_equal = False
+    calls: list = []
+    urls = engines("other weights")
+    metrics = WeightUpdate(FakeManager(args, tmp_path, calls, urls), FakeGroup("actor", calls), None).update(
+        1
+    )
+    assert "weight_sync/check_abs_diff" not in metrics and ("sequence_log_probs",) not in calls
