@@ -215,3 +215,11 @@ def test_no_check_without_the_flag(args, tmp_path, engines):
         1
     )
     assert "weight_sync/check_abs_diff" not in metrics and ("sequence_log_probs",) not in calls
+
+
+def test_a_sync_with_no_engine_up_pushes_nothing_and_admits_none(args, tmp_path):
+    """Every engine died after the rollout and no replacement is up yet: they get the weights once stranded."""
+    calls: list = []
+    metrics = WeightUpdate(FakeManager(args, tmp_path, calls, []), FakeGroup("actor", calls), None).update(6)
+    assert "sync_weights" not in [call[0] for call in calls] and calls[-1] == ("set_weight_version", 6, [])
+    assert metrics["weight_sync/engines"] == 0.0

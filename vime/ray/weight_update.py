@@ -85,6 +85,10 @@ class WeightUpdate:
         def push() -> tuple[dict[str, float], list[float] | None, list[str]]:
             self.manager.ensure_engines_healthy()  # a no-op without --use-fault-tolerance
             urls = self.manager.engine_urls()
+            # every engine died and none of their replacements is up yet: they get the weights once stranded
+            if not urls:
+                logger.warning("weight sync %d: no engine is up to receive it", version)
+                return {"weight_sync/engines": 0.0}, None, urls
             return *self._push(urls, version, rollout_weights=False), urls
 
         if not self.args.use_fault_tolerance:
