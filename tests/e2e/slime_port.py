@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,12 +173,13 @@ class StandInService:
             app.router.add_post(path, self._answer(path, handler))
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
 
-    def _answer(self, path: str, handler: Callable[[dict], Any]):
+    def _answer(
+        self, path: str, handler: Callable[[dict], Any]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def answer(request: web.Request) -> web.Response:
             body = await request.json()
             self.calls.append((path, body))
@@ -213,8 +214,13 @@ def regex_of(text: str) -> str:
     return "".join("\\" + ch if ch in "()+*?.[]{}|^$\\" else ch for ch in text)
 
 
-def _forced(path: str, regex: str):
-    async def generate(args, sample, sampling_params):
+GenerateFunction = Callable[[Any, Any, dict], Awaitable[Any]]
+
+
+def _forced(path: str, regex: str) -> GenerateFunction:
+    """The generate function at ``path`` (loaded when called), its requests constrained to ``regex``."""
+
+    async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
         module, name = path.rsplit(".", 1)
         example = getattr(importlib.import_module(module), name)
         params = sampling_params.copy()  # vime's SamplingParams: slime's names (max_new_tokens) keep working
