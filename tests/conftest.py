@@ -75,6 +75,7 @@ class EngineCounter:
 LONGEST_FIRST = {
     "test_fault_tolerance.py": 400,
     "test_loop_learns.py": 300,
+    "test_slime_examples.py": 160,
     "test_two_node_cluster.py": 124,
     "test_train_loop.py": 117,
     "test_sft.py": 116,

@@ -167,7 +167,9 @@ def module_router_factory(tmp_path_factory, make_args) -> Iterator[Callable[...,
 # log-probs they gave when the pool started), the prefix cache dropped, generation resumed.
 
 POOL_SIZE = 2
-POOL_CONTEXT = 512
+# Room for slime's multi-turn and multi-agent examples (prompts of ~1,000 tokens): the engines serve the tiny model
+# with 2,048 positions (its rotary table is computed, so positions under 512 score exactly as the checkpoint's).
+POOL_CONTEXT = 2048
 # A fixed sequence whose log-probs fingerprint the weights an engine holds.
 PROBE_TOKENS = [1, 5, 9, 14, 3, 7, 11, 2, 8, 13]
 
@@ -224,7 +226,10 @@ def without_vllm_flags(argv: list[str]) -> list[str]:
 def shared_engines(tiny_model_dir, tmp_path_factory, make_args) -> Iterator[EnginePool]:
     require_engines()
     log_dir = tmp_path_factory.mktemp("pool")
-    args = make_args(tiny_model_dir, "--vllm-max-model-len", str(POOL_CONTEXT))
+    args = make_args(
+        tiny_model_dir, "--vllm-max-model-len", str(POOL_CONTEXT),
+        "--vllm-hf-overrides", json.dumps({"max_position_embeddings": POOL_CONTEXT}),
+    )  # fmt: skip
     engines = [
         VLLMEngine(
             args,

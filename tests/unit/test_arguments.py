@@ -222,6 +222,24 @@ def test_parse_time_validation_names_the_flag(extra, expected, capsys):
     assert expected in _error_of(BASE + extra, capsys)
 
 
+def test_eval_datasets_reward_types_are_checked_at_start(tmp_path, capsys):
+    """slime's eval_multi_task YAML lists an ifbench dataset: the run stops before training, naming the dataset,
+    not at the first eval after --eval-interval steps."""
+    config = tmp_path / "multi_task.yaml"
+    config.write_text(
+        "eval:\n  datasets:\n    - {name: gpqa, path: g.jsonl, rm_type: gpqa}\n"
+        "    - {name: ifbench, path: i.jsonl, rm_type: ifbench}\n"
+    )
+    err = _error_of([*BASE, "--rm-type", "math", "--eval-config", str(config)], capsys)
+    assert f"eval dataset 'ifbench' (--eval-config {config}): --rm-type ifbench: slime clones" in err
+    config.write_text("eval:\n  datasets:\n    - {name: a, path: a.jsonl, rm_type: gsm9k}\n")
+    err = _error_of([*BASE, "--rm-type", "math", "--eval-config", str(config)], capsys)
+    assert "eval dataset 'a' " in err and "unknown --rm-type 'gsm9k'" in err
+    # a custom reward scores every dataset: the names are not vime's to check
+    parse_args([*BASE, "--custom-rm-path", "my.rm", "--eval-config", str(config)])
+    parse_args([*BASE, "--rm-type", "math", "--eval-prompt-data", "a", "a.jsonl"])
+
+
 def test_sft_runs_without_engines_and_takes_epochs():
     argv = [t if t != "4" else "1" for t in BASE if t not in ("--num-rollout", "3")]
     args = parse_args(

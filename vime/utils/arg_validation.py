@@ -385,8 +385,17 @@ def _check_data(args: argparse.Namespace) -> None:
         )
     if args.rm_type is not None and not args.custom_rm_path:
         check_rm_type(args.rm_type)
-    if not load_eval_configs(args) and args.eval_interval:
+    eval_configs = load_eval_configs(args)
+    if not eval_configs and args.eval_interval:
         raise ValueError(f"--eval-interval {args.eval_interval} needs --eval-prompt-data or --eval-config")
+    for config in eval_configs if not args.custom_rm_path else []:
+        # at start, not at the first eval (after --eval-interval training steps)
+        if config.rm_type is not None:
+            try:
+                check_rm_type(config.rm_type)
+            except ValueError as exc:
+                source = f"--eval-config {args.eval_config}" if args.eval_config else "--eval-prompt-data"
+                raise ValueError(f"eval dataset {config.name!r} ({source}): {exc}") from None
     default_rollout = "vime.rollout.vllm_rollout.generate_rollout"
     if (
         args.debug_train_only
