@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS, SAMPLES, RESPONSE_LEN = 8, 8, 128  # per rollout: 64 samples of 128 tokens (a few seconds on 2 cores)
 FP32_DIFF = 1e-5  # train-rollout log-prob difference when both sides hold the same fp32 weights (seen: ~3e-7)
 STEP_TIMEOUT_S = 600  # the longest one scripted wait may take (an engine start on a loaded machine is ~60 s)
+THAW_S = 0.2  # how long the engines run between two polls for a rollout's requests (a rollout takes over 1 s)
 
 
 def _prometheus(url: str, timeout: float = 5.0) -> dict[str, float]:
@@ -90,6 +91,8 @@ class FaultScript(threading.Thread):
             self.script(self)
         except BaseException as exc:  # noqa: BLE001 -- reported by the test
             self.error = exc
+            for hold in self.hold_dir.glob("hold_*"):  # the run goes on to its end instead of waiting for it
+                hold.unlink()
 
     # ------------------------------------------------------------------------------------------ waiting
     def wait(self, what: str, condition: Callable[[], object], timeout: float = STEP_TIMEOUT_S) -> object:
@@ -186,8 +189,7 @@ class FaultScript(threading.Thread):
     def strike_mid_rollout(
         self,
         rollout_id: int,
-        sync_before: int | None = None,
-        after: int | None = None,
+        sync_before: int,
         engines: int = 1,
         router: bool = False,
         hang: bool = False,
@@ -198,26 +200,19 @@ class FaultScript(threading.Thread):
         other engines (and the replacements) generated beyond what they had in hand: the re-sent ones, whoever
         re-sent them.
 
-        train.py (``sync_before``): that sync is held (its engines paused) until the process scans are done and the
-        engines' counters read, so the rollout starts only once the polls are running and a fast rollout cannot slip
-        past them. train_async.py (``after``): the polls start once rollout ``after`` is logged; there the next
-        rollout is already generating during each sync, so a held sync would pause the wrong rollout's requests."""
-        if sync_before is not None:
-            self.hold(sync_before)
+        Sync ``sync_before`` is held (its engines paused) until the process scans are done and the engines' counters
+        read: the rollout starts only once the polls are running, and they hold it back (:meth:`_generating`), so
+        a fast rollout cannot slip past them."""
+        self.hold(sync_before)
         self.wait(
             "the run's two engines and its router", lambda: len(self.engines()) == 2 and self.router_pid()
         )
         self._pids, router_pid = self.engines(), self.router_pid()
         fault = {"rollout_id": rollout_id, "non_loopback_listeners": non_loopback_listeners(self.marker)}
         self._last_counts = {}
-        if sync_before is not None:
-            self.wait(
-                f"sync {sync_before} paused", lambda: (self.hold_dir / f"paused_{sync_before}").exists()
-            )
-            self._generating()  # the counters before the rollout: the next poll that sees one move strikes
-            self.release(sync_before)
-        else:
-            self.wait(f"rollout {after} logged", lambda: self.logged(after))
+        self.wait(f"sync {sync_before} paused", lambda: (self.hold_dir / f"paused_{sync_before}").exists())
+        self._generating()  # the counters before the rollout: the next poll that sees one move strikes
+        self.release(sync_before)
         before = self.wait(f"requests of rollout {rollout_id} running", self._generating)
         busy = max(before, key=lambda url: before[url]["running"])
         victims = list(before) if engines > 1 else [busy]
@@ -256,16 +251,15 @@ class FaultScript(threading.Thread):
 
     def _generating(self) -> dict[str, dict[str, float]] | None:
         """The engines' counts once one is generating: its generated-token counter moved since the last poll and it
-        reports requests running. Polled from the end of the previous rollout, this strikes at the rollout's start,
-        long before its requests finish (vLLM's gauges keep their last values while an engine is idle, so an
-        engine whose counter did not move counts none running). Each poll freezes the engines' processes first, so
-        the counts hold until the strike (their API servers still answer) and a slow answer cannot let the rollout
-        slip past; a poll that strikes leaves them frozen (:attr:`_frozen`), any other thaws them."""
+        reports requests running (vLLM's gauges keep their last values while an engine is idle, so an engine whose
+        counter did not move counts none running). Each poll freezes the engines' processes (their API servers
+        still answer), so the counts hold until the strike, and lets them run only ``THAW_S`` between two polls:
+        however slowly a busy engine answers, the rollout advances at most that long before a poll sees it, long
+        before its requests finish. A poll that strikes leaves them frozen (:attr:`_frozen`)."""
         self._frozen = {url: psutil.Process(pid).children(recursive=True) for url, pid in self._pids.items()}
         for procs in self._frozen.values():
             _signal_all(procs, signal.SIGSTOP)
-        stepping = 0.5 if any(self._frozen.values()) else 0.0  # none in the one-process layout
-        time.sleep(stepping)  # the API servers take in the last outputs the engine processes sent
+        time.sleep(0.5)  # the API servers take in the last outputs the engine processes sent
         now, last = self.engine_counts(timeout=60, urls=list(self._pids)), self._last_counts
         self._last_counts = now
         for url, count in now.items():
@@ -275,7 +269,7 @@ class FaultScript(threading.Thread):
             return now
         for procs in self._frozen.values():
             _signal_all(procs, signal.SIGCONT)
-        time.sleep(stepping)  # the engines step between two polls
+        time.sleep(THAW_S)
         return None
 
     def kill_in_sync(self, version: int) -> None:
@@ -320,9 +314,10 @@ def _script_train(s: FaultScript) -> None:
 
 
 def _script_train_async(s: FaultScript) -> None:
-    """train_async.py: rollout k+2 is generated once rollout k is logged (rollout k+1 finished before that sync)."""
+    """train_async.py: rollout k is generated right after sync k (the sync after training rollout k-2, once rollout
+    k-1 finished); rollout k+1 during training on rollout k."""
     s.hold(3)
-    s.strike_mid_rollout(2, after=0)
+    s.strike_mid_rollout(2, sync_before=2)
     s.hold_until_replacements_up(3, 1)
     s.hold(9)  # a sync after the double kill: both replacements rejoin
     s.strike_mid_rollout(
@@ -334,6 +329,7 @@ def _script_train_async(s: FaultScript) -> None:
 # the fault script, the loop's flags, rollouts, whether its engines run vLLM's CPU layout (a worker process bound to
 # the slot's cores, checked below) rather than the tests' one-process layout (tests/e2e/conftest.py), which starts
 # each of the train.py run's seven engines ~9 s sooner
+FAULTS = {"train.py": 4, "train_async.py": 2}
 CASES = {
     "train.py": (_script_train, [], 12, False),
     "train_async.py": (_script_train_async, ["--keep-old-actor"], 9, True),
@@ -357,6 +353,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
         "--rollout-max-engine-restarts", "5",  # four faults may all strike one slot (the default stops at 3)
         "--save-debug-rollout-data", str(tmp_path / "rollouts" / "rollout_{rollout_id}.json"),
         "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "192",
+        "--check-weight-update-equal",  # every sync, sync retry and push to stranded replacements checks the engines
         *flags,
     ]  # fmt: skip
     faults.start()
@@ -384,6 +381,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:] + logs
     assert faults.error is None, f"{faults.error!r}; faults so far: {faults.faults}"
+    assert not faults.is_alive() and len(faults.faults) == FAULTS[script], faults.faults  # every fault struck
     records = [r for r in read_metrics(log_dir) if "rollout/reward_mean" in r]
     assert [r["rollout_id"] for r in records] == list(range(num_rollout))
     by_rollout = {r["rollout_id"]: r for r in records}
@@ -427,11 +425,16 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
     assert all(by_rollout[k]["train/grad_norm"] > 0 for k in by_rollout), (
         "the weights did not move every step"
     )
+    # and every engine a sync reached held them: --check-weight-update-equal (the run stops on a larger difference)
+    checks = [r["weight_sync/check_abs_diff"] for r in records if "weight_sync/check_abs_diff" in r]
+    assert len(checks) >= num_rollout - 1 and max(checks) < FP32_DIFF, checks
 
     # the replacements: each fault's engines replaced once, each replacement served after joining
     restarts = records[-1]["fault/engine_restarts"]
     assert restarts == sum(len(f["victims"]) for f in faults.faults), (restarts, faults.faults)
-    assert records[-1]["fault/router_restarts"] == sum(bool(f.get("router_killed")) for f in faults.faults)
+    router_restarts = records[-1]["fault/router_restarts"]
+    assert router_restarts == sum(bool(f.get("router_killed")) for f in faults.faults)
+    assert len(list(log_dir.glob("router.restart*.log"))) == router_restarts
     replacement_logs = sorted(log_dir.glob("engine_*.restart*.log"))
     assert len(replacement_logs) == restarts
     served = {log.name: "POST /v1/completions" in log.read_text(errors="replace") for log in replacement_logs}
