@@ -18,6 +18,8 @@ from vime.utils.varlen_attention import (
 )
 
 LENGTHS = [5, 12, 1, 9, 3]
+# an RL batch: a few lengths, each many times (the blocks of one shape run as one batched call)
+REPEATED_LENGTHS = [5, 3, 5, 1, 3, 5, 12, 3]
 
 
 def reference_attention(q, k, v, lengths, scale):
@@ -60,23 +62,31 @@ def test_blocks_with_overlapping_key_ranges_gather_their_keys():
     assert (blocks.max_q, blocks.max_k) == (2, 6)
 
 
-def test_packed_sequences_match_per_sequence_attention():
-    q, k, v = _qkv(sum(LENGTHS))
-    out = packed_causal_attention(q, k, v, VarlenBlocks.for_sequences(LENGTHS, "cpu"), 0.25)
-    torch.testing.assert_close(out, reference_attention(q, k, v, LENGTHS, 0.25), rtol=1e-10, atol=1e-10)
+@pytest.mark.parametrize("lengths", [LENGTHS, REPEATED_LENGTHS])
+def test_packed_sequences_match_per_sequence_attention_forward_and_backward(lengths):
+    q, k, v = (x.requires_grad_() for x in _qkv(sum(lengths)))
+    out = packed_causal_attention(q, k, v, VarlenBlocks.for_sequences(lengths, "cpu"), 0.25)
+    expected = reference_attention(q, k, v, lengths, 0.25)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    for got, want in zip(
+        torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("lengths", [LENGTHS, REPEATED_LENGTHS])
 @pytest.mark.parametrize("cp_size", [1, 2, 3])
-def test_context_parallel_attention_matches_unsplit_attention(cp_size):
+def test_context_parallel_attention_matches_unsplit_attention(cp_size, lengths):
     scale = 16**-0.5
-    base = PackedLayout.for_parallelism(LENGTHS, 1, False, cp_size, 0, "cpu")
+    base = PackedLayout.for_parallelism(lengths, 1, False, cp_size, 0, "cpu")
     q, k, v = _qkv(base.cu_seqlens[-1])
     reference = reference_attention(q, k, v, base.padded_lengths, scale)
     for rank in range(cp_size):
-        layout = PackedLayout.for_parallelism(LENGTHS, 1, False, cp_size, rank, "cpu")
+        layout = PackedLayout.for_parallelism(lengths, 1, False, cp_size, rank, "cpu")
         # what the all-gather of every rank's local keys/values, re-indexed, gives each rank
         everyone = torch.cat(
-            [PackedLayout(LENGTHS, cp_size, r, layout.multiple).positions(r) for r in range(cp_size)]
+            [PackedLayout(lengths, cp_size, r, layout.multiple).positions(r) for r in range(cp_size)]
         )
         k_all, v_all = (x[everyone].index_select(0, layout.gathered_index) for x in (k, v))
         out = packed_causal_attention(q[layout.local_positions], k_all, v_all, layout.attention_blocks, scale)

@@ -6,11 +6,14 @@ says which query rows attend to which key rows: block ``i``'s queries are the la
 
 On CUDA in fp16/bf16 the whole micro-batch runs as one FlashAttention-2 varlen launch per layer (PyTorch's own
 ATen flash kernels, forward and backward; grouped-query heads need no expansion). Elsewhere (CPU, fp32: the
-exactness tests) each block is one ``scaled_dot_product_attention`` call, with no mask materialised either way.
+exactness tests) the blocks of one shape run as one batched ``scaled_dot_product_attention`` call (an RL batch
+holds many sequences of a few lengths: one call per block cost more in launches than in arithmetic), with no mask
+materialised either way.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -97,20 +100,24 @@ class _FlashVarlenCausal(torch.autograd.Function):
 def causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Softmax attention of ``query`` [heads, Lq, d] over ``key``/``value`` [groups, Lk, d] (``Lq <= Lk``), query
-    ``i`` sitting at key position ``Lk - Lq + i``. Query head ``h`` uses key/value group ``h // (heads / groups)``."""
+    """Softmax attention of ``query`` [..., heads, Lq, d] over ``key``/``value`` [..., groups, Lk, d] (``Lq <= Lk``),
+    query ``i`` sitting at key position ``Lk - Lq + i``. Query head ``h`` uses key/value group
+    ``h // (heads / groups)``. Leading dimensions, if any, are a batch."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     if q_len == k_len:
         return F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[0] != key.shape[0]
+            query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[-3] != key.shape[-3]
         )
     # a lower-right causal bias runs in the flash / memory-efficient kernels without materialising a mask; those
     # kernels take grouped-query attention only through expanded keys and values, and want a batch dimension
-    repeat = query.shape[0] // key.shape[0]
+    repeat = query.shape[-3] // key.shape[-3]
+    unbatched = query.dim() == 3
     q, k, v = (
-        x.unsqueeze(0) for x in (query, key.repeat_interleave(repeat, 0), value.repeat_interleave(repeat, 0))
+        x.unsqueeze(0) if unbatched else x
+        for x in (query, key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3))
     )
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, k_len), scale=scale)[0]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, k_len), scale=scale)
+    return out[0] if unbatched else out
 
 
 def packed_causal_attention(
@@ -127,7 +134,29 @@ def packed_causal_attention(
             blocks.cu_seqlens_q, blocks.cu_seqlens_k, blocks.max_q, blocks.max_k, scale,
         )  # fmt: skip
     q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [heads or groups, rows, d]
-    out = torch.cat(
-        [causal_attention(q[:, a:b], k[:, c:d], v[:, c:d], scale) for a, b, c, d in blocks.blocks], dim=1
-    )
+    by_shape: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
+    for block in blocks.blocks:
+        by_shape[(block[1] - block[0], block[3] - block[2])].append(block)
+    query_rows, outs = [], []
+    for (q_len, k_len), group in by_shape.items():
+        rows = _rows([(a, b) for a, b, _, _ in group], q.device)
+        keys = _rows([(c, d) for _, _, c, d in group], q.device)
+        # [blocks, heads or groups, length, d]: one batched call for every block of this shape
+        batch_q, batch_k, batch_v = (
+            x.index_select(1, index).unflatten(1, (len(group), length)).transpose(0, 1)
+            for x, index, length in ((q, rows, q_len), (k, keys, k_len), (v, keys, k_len))
+        )
+        outs.append(causal_attention(batch_q, batch_k, batch_v, scale).transpose(0, 1).flatten(1, 2))
+        query_rows.append(rows)
+    out = torch.cat(outs, dim=1)
+    if len(outs) > 1:  # back to the blocks' order: output row i is query row order[i]
+        order = torch.cat(query_rows)
+        out = out.index_select(
+            1, torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
+        )
     return out.transpose(0, 1)
+
+
+def _rows(ranges: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """The row indices of ``ranges`` back to back."""
+    return torch.cat([torch.arange(start, end) for start, end in ranges]).to(device)
