@@ -121,7 +121,11 @@ def test_an_engine_over_nodes_is_refused_on_cpu_colocated_or_when_it_fits_a_node
 def test_an_engine_over_nodes_starts_with_vllms_ray_executor_on_its_bundles():
     flags, env = ray_executor_launch("10.0.0.1:6379", "ab12", (8, 7, 6, 5))
     assert flags == ["--distributed-executor-backend", RAY_EXECUTOR_CLS]
-    assert env == {"RAY_ADDRESS": "10.0.0.1:6379", PLACEMENT_GROUP_ENV: "ab12", "VLLM_RAY_BUNDLE_INDICES": "8,7,6,5"}
+    assert env == {
+        "RAY_ADDRESS": "10.0.0.1:6379",
+        PLACEMENT_GROUP_ENV: "ab12",
+        "VLLM_RAY_BUNDLE_INDICES": "8,7,6,5",
+    }
 
 
 def test_the_executor_path_is_a_vllm_ray_executor():
