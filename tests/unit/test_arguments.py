@@ -191,7 +191,10 @@ def _error_of(argv: list[str], capsys) -> str:
         (["--mtp-num-layers", "1"], "vime does not train multi-token-prediction layers"),
         (["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: vime trains without dropout"),
         (["--attention-dropout", "0.05"], "--attention-dropout 0.05: vime trains without dropout"),
-        (["--rollout-num-gpus-per-engine", "16"], "is more than one node's GPUs (--num-gpus-per-node 8)"),
+        (
+            ["--rollout-num-gpus", "12", "--rollout-num-gpus-per-engine", "12"],
+            "12: 12 GPUs per engine is more than one node's (--num-gpus-per-node 8) but not whole nodes",
+        ),
         (
             ["--sequence-parallel"],
             "--sequence-parallel: the fsdp backend shards over data-parallel ranks only",

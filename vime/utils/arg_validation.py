@@ -15,7 +15,7 @@ from vime.utils.backend_flags import check_backend_flags
 from vime.utils.eval_config import load_eval_configs
 from vime.utils.rm_types import check_rm_type
 from vime.utils.slime_names import set_slime_names
-from vime.utils.vllm_config import check_external_engines, check_vllm_config
+from vime.utils.vllm_config import check_external_engines, check_vllm_config, engine_size_problem
 
 logger = logging.getLogger(__name__)
 
@@ -347,12 +347,8 @@ def _check_batch_sizes(args: argparse.Namespace) -> None:
 
 
 def _check_cluster(args: argparse.Namespace) -> None:
-    if args.rollout_num_gpus_per_engine > args.num_gpus_per_node:
-        raise ValueError(
-            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} is more than one node's GPUs "
-            f"(--num-gpus-per-node {args.num_gpus_per_node}): an engine runs on one node; lower it (more engines) "
-            "or set --num-gpus-per-node if your nodes have more GPUs"
-        )
+    if problem := engine_size_problem(args.rollout_num_gpus_per_engine, args.num_gpus_per_node):
+        raise ValueError(f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: {problem}")
     check_external_engines(args)
     if args.vllm_config:
         check_vllm_config(args)

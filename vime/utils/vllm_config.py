@@ -46,6 +46,17 @@ class VLLMConfigError(ValueError):
     """A ``--vllm-config`` file that cannot be used; the message names the file, the entry and the fix."""
 
 
+def engine_size_problem(per_engine: int, num_gpus_per_node: int) -> str | None:
+    """Why an engine of ``per_engine`` GPUs cannot be laid out on nodes of ``num_gpus_per_node``, or None: it fits
+    one node, or spans whole nodes (slime's multi-node engines; vLLM's Ray executor runs them)."""
+    if per_engine <= num_gpus_per_node or per_engine % num_gpus_per_node == 0:
+        return None
+    return (
+        f"{per_engine} GPUs per engine is more than one node's (--num-gpus-per-node {num_gpus_per_node}) but not "
+        "whole nodes: an engine fits one node or spans whole nodes (a multiple of --num-gpus-per-node)"
+    )
+
+
 @dataclass
 class ServerGroup:
     """``num_gpus`` GPUs served by engines of ``num_gpus_per_engine`` each (none for a placeholder)."""
@@ -298,11 +309,8 @@ def _group(where: str, entry: Any, per_engine: int, args: argparse.Namespace) ->
         raise VLLMConfigError(
             f"{where}: num_gpus {num_gpus} is not a multiple of num_gpus_per_engine {per_engine}"
         )
-    if per_engine > args.num_gpus_per_node:
-        raise VLLMConfigError(
-            f"{where}: num_gpus_per_engine {per_engine} exceeds --num-gpus-per-node {args.num_gpus_per_node}; "
-            "an engine runs on one node"
-        )
+    if problem := engine_size_problem(per_engine, args.num_gpus_per_node):
+        raise VLLMConfigError(f"{where}: num_gpus_per_engine {per_engine}: {problem}")
     overrides = entry.get("overrides") or {}
     if not isinstance(overrides, dict):
         raise VLLMConfigError(f"{where}: 'overrides' must be a mapping of vLLM server flags to values")

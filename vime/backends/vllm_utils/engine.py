@@ -38,6 +38,10 @@ from vime.utils.vllm_config import EngineSpec
 # On CPU, with no explicit KV-cache size vLLM reserves --gpu-memory-utilization (0.92) of the NUMA node's RAM
 # and fails to start next to a trainer (FACTS.md). 1 GiB: ~1M tokens of the tiny test model's KV cache.
 CPU_KV_CACHE_GIB = "1"
+# An engine over several nodes runs its workers through vLLM's Ray executor (``engine_ray_executor``), on the bundles
+# of the run's placement group that this variable names (its id, hex).
+RAY_EXECUTOR_CLS = "vime.backends.vllm_utils.engine_ray_executor.EngineBundlesExecutor"
+PLACEMENT_GROUP_ENV = "VIME_ENGINE_PLACEMENT_GROUP"
 
 
 class EngineStartError(RuntimeError):
@@ -101,6 +105,20 @@ def build_engine_command(
         *passthrough_cli_args(args, "vllm"),
         *override_args,
     ]
+
+
+def ray_executor_launch(
+    ray_address: str, placement_group_id: str, bundle_indices: Sequence[int]
+) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment of an engine whose workers vLLM's Ray executor starts, worker rank ``r`` in bundle
+    ``bundle_indices[r]`` of placement group ``placement_group_id`` (hex) of the cluster at ``ray_address``."""
+    flags = ["--distributed-executor-backend", RAY_EXECUTOR_CLS]
+    env = {
+        "RAY_ADDRESS": ray_address,
+        PLACEMENT_GROUP_ENV: placement_group_id,
+        "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundle_indices)),
+    }
+    return flags, env
 
 
 def build_engine_env(args: argparse.Namespace, base_env: Mapping[str, str] | None = None) -> dict[str, str]:

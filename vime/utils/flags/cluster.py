@@ -48,7 +48,10 @@ CLUSTER = [
     (
         "--num-gpus-per-node",
         dict(
-            type=int, default=8, help="GPUs per node: an engine (--rollout-num-gpus-per-engine) fits in one."
+            type=int,
+            default=8,
+            help="GPUs per node: an engine (--rollout-num-gpus-per-engine) fits in one, or spans whole nodes "
+            "(vLLM's Ray executor on the engine's bundles; GPU only).",
         ),
     ),
     (
