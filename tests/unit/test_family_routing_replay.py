@@ -1,7 +1,8 @@
 """Routing replay (R3) in the FSDP trainer for the MoE families beyond Qwen3-MoE (one rank, gloo on CPU, fp32):
-DeepSeek-V3's group-limited sigmoid router with expert bias and shared experts behind a dense first layer. Replaying
-the model's own routing changes nothing (bitwise); the rollout's experts reach every actor forward, weighted by the
-router's own sigmoid scores (renormalised, scaled), as transformers forced to the same experts computes."""
+DeepSeek-V3's group-limited sigmoid router with expert bias and shared experts behind a dense first layer, and
+Qwen3-Next's softmax router beside a gated shared expert (its layers alternate gated DeltaNet and full attention).
+Replaying the model's own routing changes nothing (bitwise); the rollout's experts reach every actor forward, weighted
+by the router's own scores, as transformers forced to the same experts computes."""
 
 from __future__ import annotations
 
@@ -24,10 +25,20 @@ SHAPES = [(3, 2), (5, 7), (1, 4), (8, 1), (2, 9), (4, 4), (6, 3), (2, 2)]
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
 
 
+ARCHS = ["deepseek_v3", "qwen3_next"]
+
+
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory) -> Path:
-    """3 layers (the first dense), 8 experts in 4 groups, top-4 within the best 2 groups, a shared expert."""
-    return build_tiny_model(tmp_path_factory.mktemp("ds") / "model", arch="deepseek_v3", task=None)
+def models(tmp_path_factory) -> dict[str, Path]:
+    """deepseek_v3: 3 layers (the first dense), 8 experts in 4 groups, top-4 within the best 2 groups, a shared expert;
+    qwen3_next: 2 layers (gated DeltaNet, full attention), 4 experts, top-2, a gated shared expert."""
+    root = tmp_path_factory.mktemp("r3")
+    return {arch: build_tiny_model(root / arch, arch=arch, task=None) for arch in ARCHS}
+
+
+@pytest.fixture
+def deepseek(models) -> Path:
+    return models["deepseek_v3"]
 
 
 def hf_model(model_dir: Path):
@@ -107,32 +118,36 @@ def test_sigmoid_router_hook_weighs_replayed_experts_by_their_own_sigmoid_scores
     torch.testing.assert_close(replayed_weights(router, logits, chosen), want, rtol=1e-6, atol=0)
 
 
-def test_replaying_the_own_routing_changes_nothing(deepseek):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replaying_the_own_routing_changes_nothing(models, arch):
+    model_dir = models[arch]
     samples = make_samples()
-    reference = hf_model(deepseek)
+    reference = hf_model(model_dir)
     for s in samples:
         s.rollout_routed_experts = own_routing(reference, s.tokens)[:-1]
-    replaying = FSDPTrainer(make_args(deepseek, "--use-rollout-routing-replay"))
-    plain = FSDPTrainer(make_args(deepseek))
+    replaying = FSDPTrainer(make_args(model_dir, "--use-rollout-routing-replay"))
+    plain = FSDPTrainer(make_args(model_dir))
     for a, b in zip(replaying.compute_log_probs(samples), plain.compute_log_probs(samples), strict=True):
         assert torch.equal(a, b)
     got, want = replaying.train(0, samples, REWARDS), plain.train(0, samples, REWARDS)
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
 
 
-def test_r3_forces_the_rollouts_experts_in_every_actor_forward(deepseek):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_r3_forces_the_rollouts_experts_in_every_actor_forward(models, arch):
+    model_dir = models[arch]
     samples = make_samples()
-    reference = hf_model(deepseek)
-    experts = reference.config.n_routed_experts
+    reference = hf_model(model_dir)
+    experts = reference.config.num_local_experts if arch == "deepseek_v3" else reference.config.num_experts
     forced = [other_experts(own_routing(reference, s.tokens), experts)[:-1] for s in samples]
     for s, route in zip(samples, forced, strict=True):
         s.rollout_routed_experts = route
-    trainer = FSDPTrainer(make_args(deepseek, "--use-rollout-routing-replay"))
-    free = FSDPTrainer(make_args(deepseek)).compute_log_probs(samples)
+    trainer = FSDPTrainer(make_args(model_dir, "--use-rollout-routing-replay"))
+    free = FSDPTrainer(make_args(model_dir)).compute_log_probs(samples)
     old = trainer.compute_log_probs(samples)
     moved = 0.0
     for s, route, lp, lp_free in zip(samples, forced, old, free, strict=True):
-        torch.testing.assert_close(lp, forced_log_probs(hf_model(deepseek), s, route), rtol=0, atol=2e-6)
+        torch.testing.assert_close(lp, forced_log_probs(hf_model(model_dir), s, route), rtol=0, atol=2e-6)
         moved = max(moved, float((lp - lp_free).abs().max()))
     assert moved > 1e-2  # the forced experts do change the output
     metrics = trainer.train(0, samples, REWARDS)

@@ -19,7 +19,7 @@ from vime.utils.arguments import parse_args
 from vime.utils.train_data import shape_rewards
 from vime.utils.types import Sample, Status
 
-FAMILIES = ["qwen2", "deepseek_v3"]
+FAMILIES = ["qwen2", "deepseek_v3", "qwen3_next"]
 # (prompt length, response length) of 8 samples = 2 groups of 4, packed into one row
 SHAPES = [(3, 2), (5, 7), (1, 4), (8, 1), (2, 9), (4, 4), (6, 3), (2, 2)]
 
