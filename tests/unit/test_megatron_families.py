@@ -133,6 +133,8 @@ def test_routing_and_rope_megatron_cannot_reproduce_are_refused():
         flags_from_hf_config(DEEPSEEK_V3 | dict(num_experts_per_tok=4))
     with pytest.raises(ValueError, match="interleaved RoPE"):
         flags_from_hf_config(DEEPSEEK_V3 | dict(rope_interleave=False))
+    with pytest.raises(ValueError, match="without query compression"):
+        flags_from_hf_config(DEEPSEEK_V3 | dict(q_lora_rank=None))
     # transformers scales cos/sin by mscale(factor) when mscale is unset; Megatron's ratio cannot say that
     no_mscale = DEEPSEEK_V3["rope_scaling"] | {"mscale": 0.0}
     with pytest.raises(ValueError, match="no Megatron --mscale"):

@@ -85,6 +85,11 @@ def _mla_flags(config: dict[str, Any]) -> dict[str, Any]:
             "rope_interleave=false (config.json): Megatron-Core's multi-latent attention always applies DeepSeek's "
             "interleaved RoPE"
         )
+    if config.get("q_lora_rank") is None:
+        raise ValueError(
+            "q_lora_rank=null (config.json, DeepSeek-V2-Lite style): Megatron-Core 0.19 builds multi-latent attention "
+            "without query compression only with a fused norm+linear query projection (TransformerEngine)"
+        )
     heads = config["num_attention_heads"]
     if (config.get("num_key_value_heads") or heads) != heads:
         raise ValueError(
