@@ -194,7 +194,8 @@ def test_disk_sync_writes_a_directory_per_version_runs_the_hook_and_cleans_up(tm
             return [call(self)]
 
         def collective_rpc(self, method, kwargs):
-            if method == "reload_weights_from_path":  # vime's worker extension: reload, then CPU MoE prepacking
+            # vime's worker extension: reload, then CPU MoE prepacking
+            if method == "reload_weights_from_path":
                 path = kwargs["weights_path"]
                 return [reloaded.append((path, sorted(os.listdir(path))))]
             return [Path(kwargs["path"]).read_text()]
