@@ -26,6 +26,8 @@ KINDS = [
     "llama",
     "glm4_moe",
     "glm4_moe_qk_norm",
+    "qwen2",
+    "deepseek_v3",
 ]  # the models the log-prob and HF round-trip tests cover
 
 
@@ -95,6 +97,14 @@ def build_dense(path, seed=0):
     return build_tiny_model(path, seed=seed, task=None)
 
 
+def build_family(path, arch, seed=0, **shape):
+    """``make_tiny_model --arch arch``: Qwen2.5 (q/k/v biases), DeepSeek-V3 (MLA with YaRN, a group-limited sigmoid
+    router with expert bias, a shared expert, the first layer dense) ..."""
+    from vime.tools.make_tiny_model import build_tiny_model
+
+    return build_tiny_model(path, seed=seed, task=None, arch=arch, **shape)
+
+
 def make_args(model_dir, *extra):
     from vime.backends.megatron_utils.hf_config import flags_from_hf_config, flags_to_argv, load_hf_config
     from vime.utils.arguments import parse_args
@@ -147,6 +157,8 @@ def models(tmp_path_factory):
         "llama": build_llama,
         "glm4_moe": build_glm4_moe,
         "glm4_moe_qk_norm": functools.partial(build_glm4_moe, qk_norm=True),
+        "qwen2": functools.partial(build_family, arch="qwen2"),
+        "deepseek_v3": functools.partial(build_family, arch="deepseek_v3"),
     }
     return {kind: str(build(root / kind)) for kind, build in builders.items()}
 
@@ -203,13 +215,17 @@ def _grpo_step(trainer, config, samples):
     return metrics, weights
 
 
-@pytest.mark.parametrize("precision", ["fp32-sgd", "bf16-adam"])
-def test_grpo_step_matches_fsdp(models, precision, tmp_path):
+@pytest.mark.parametrize(
+    "kind,precision", [("dense", "fp32-sgd"), ("dense", "bf16-adam"), ("deepseek_v3", "fp32-sgd")]
+)
+def test_grpo_step_matches_fsdp(models, kind, precision, tmp_path):
     from vime.backends.fsdp_utils.trainer import FSDPTrainer
     from vime.backends.megatron_utils.trainer import MegatronTrainer
 
     extra = ["--optimizer", "sgd", "--lr", "0.1"] if precision == "fp32-sgd" else ["--bf16", "--lr", "1e-3"]
-    config = make_args(models["dense"], *extra)
+    # the expert bias is a routing statistic, not trained: Megatron would move it after each step, FSDP does not
+    bias = ["--moe-router-bias-update-rate", "0"] if kind == "deepseek_v3" else []
+    config = make_args(models[kind], *extra, *bias)
     samples = samples_for_test()
     before = {n: t.float().cpu() for b in MegatronTrainer(config).iter_weight_buckets(1 << 30) for n, t in b}
     mega_metrics, mega = _grpo_step(MegatronTrainer(config), config, samples)
@@ -219,13 +235,14 @@ def test_grpo_step_matches_fsdp(models, precision, tmp_path):
     assert all(math.isfinite(v) for v in mega_metrics.values()), mega_metrics
     keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm"]
     print(
-        f"\n[{precision}] "
+        f"\n[{kind} {precision}] "
         + ", ".join(f"{k}: megatron {mega_metrics[k]:.6g} fsdp {fsdp_metrics[k]:.6g}" for k in keys)
     )
     update = max(float((fsdp[n] - before[n]).abs().max()) for n in fsdp)
     weight_diff = max(float((mega[n] - fsdp[n]).abs().max()) for n in fsdp)
     print(
-        f"[{precision}] largest weight update {update:.3e}; largest Megatron-vs-FSDP weight diff {weight_diff:.3e}"
+        f"[{kind} {precision}] largest weight update {update:.3e}; largest Megatron-vs-FSDP weight diff "
+        f"{weight_diff:.3e}"
     )
     assert update > 0
     tol = 1e-5 if precision == "fp32-sgd" else 2e-2

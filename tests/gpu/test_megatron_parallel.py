@@ -1,5 +1,5 @@
 """TP=2 (with and without sequence parallelism), EP=2, PP=2, CP=2 and activation recompute give the same
-log-probs, HF export and SGD step as TP=1, on 2 GPUs (``VIME_PARALLEL_GPUS=4`` adds TP=2 + SP with CP=2). The
+log-probs, HF export and SGD step as TP=1 (Qwen3 dense and MoE, DeepSeek-V3's MLA MoE), on 2 GPUs (``VIME_PARALLEL_GPUS=4`` adds TP=2 + SP with CP=2). The
 pytest test launches this file under ``torchrun``; the ``__main__`` part is the per-rank worker."""
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ pytestmark = [
 
 def test_tp2_ep2_pp2_match_tp1(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_megatron_gpu import build_dense, build_moe
+    from test_megatron_gpu import build_dense, build_family, build_moe
 
     build_dense(tmp_path / "dense")
     build_moe(tmp_path / "moe")
+    build_family(tmp_path / "deepseek_v3", "deepseek_v3", num_layers=4)  # PP=2: two layers per stage
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
@@ -75,6 +76,12 @@ def _worker(root: Path) -> None:
         ("dense-bf16", "tp1", []),
         ("dense-bf16", "cp2", ["--context-parallel-size", "2"]),
         ("dense-bf16", "tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        # multi-latent attention with DeepSeek's MoE (its expert bias frozen: a routing statistic, not trained)
+        ("deepseek_v3", "tp1", []),
+        ("deepseek_v3", "tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("deepseek_v3", "ep2", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
+        ("deepseek_v3", "pp2", ["--pipeline-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
+        ("deepseek_v3", "cp2", ["--context-parallel-size", "2"]),
     ]  # fmt: skip
     if GPUS >= 4:
         # TP=1 would be 4 data-parallel ranks, more than the 6 samples' micro-batches allow: the reference is PP=2
@@ -97,9 +104,11 @@ def _worker(root: Path) -> None:
             parallel_state.destroy_model_parallel()
         role = "critic" if kind.endswith("-critic") else "actor"
         bf16 = ["--bf16"] if kind.endswith("-bf16") else []
+        frozen_bias = ["--moe-router-bias-update-rate", "0"] if kind == "deepseek_v3" else []
         config = make_args(
             root / kind.split("-")[0], "--actor-num-gpus-per-node", str(GPUS), "--optimizer", "sgd",
-            "--lr", "0.1", "--advantage-estimator", "ppo" if role == "critic" else "grpo", *bf16, *extra,
+            "--lr", "0.1", "--advantage-estimator", "ppo" if role == "critic" else "grpo", *bf16, *frozen_bias,
+            *extra,
         )  # fmt: skip
         trainer = MegatronTrainer(config, role=role)
         log_probs = (

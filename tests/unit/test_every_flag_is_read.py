@@ -84,6 +84,24 @@ NOT_READ_AFTER_VALIDATION = {
     "attention (FlashAttention-2 / SDPA) computes its softmax in fp32",
     "allgather_cp": "always on: vime's context parallelism all-gathers keys and values (slime's --allgather-cp); "
     "refused with --train-backend fsdp",
+    "moe_permute_fusion": "what vime does anyway: Megatron-Core permutes tokens unfused (TransformerEngine's fused "
+    "permutation gives the same result); an info line says so",
+    "apply_rope_fusion": "what vime does anyway: Megatron-Core gets apply_rope_fusion=False (TransformerEngine's "
+    "fused RoPE is not a dependency); --no-rope-fusion gets an info line",
+    "add_position_embedding": "--no-position-embedding (slime's GLM-4.7/GLM-5 scripts) changes nothing with RoPE; "
+    "refused without it",
+    "spec": "a Megatron-LM layer-spec plug-in: refused with --train-backend megatron (vime builds its own specs), an "
+    "info line with fsdp (transformers' own class)",
+    **{
+        dest: "Qwen3-Next / Qwen3.5 (gated DeltaNet) flags: refused with --train-backend megatron (no gated DeltaNet "
+        "without TransformerEngine); the fsdp backend takes the model from config.json"
+        for dest in (
+            "apply_layernorm_1p",
+            "attention_output_gate",
+            "use_gated_attention",
+            "moe_shared_expert_gate",
+        )
+    },
     # refused whenever set, by backend_flags.MEGATRON_UNSUPPORTED
     **{dest: f"refused when set: vime has no {why}" for dest, why in MEGATRON_UNSUPPORTED.items()},
 }

@@ -195,3 +195,73 @@ def test_real_vocabulary_pads_the_char_tokenizer(tmp_path):
     assert tok.decode([151935]) == "<|t151935|>" and tok.eos_token == IM_END
     with pytest.raises(ValueError, match="at least 61 ids"):
         build_tiny_model(tmp_path / "small", task=None, vocab_size=10)
+
+
+# ------------------------------------------------------------------------------------------------ --arch families
+FAMILIES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_every_family_builds_with_transformers_own_class(arch, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    main([str(tmp_path / "m"), "--arch", arch, "--no-data"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    assert model.config.model_type == arch and type(model).__name__ == FAMILIES[arch]
+    assert not model.config.tie_word_embeddings and model.config.vocab_size == VOCAB_SIZE
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 11, 42, 7, 46]])).logits
+    assert logits.shape == (1, 5, VOCAB_SIZE) and torch.isfinite(logits).all()
+
+
+def test_family_shapes_follow_their_flags(tmp_path):
+    from transformers import AutoConfig
+
+    main([str(tmp_path / "ds"), "--arch", "deepseek_v3", "--no-data", "--q-lora-rank", "0", "--v-head-dim", "32",
+          "--num-experts", "16", "--n-group", "8", "--first-k-dense-replace", "2", "--num-layers", "4"])  # fmt: skip
+    ds = AutoConfig.from_pretrained(tmp_path / "ds")
+    assert ds.q_lora_rank is None and ds.v_head_dim == 32 and ds.kv_lora_rank == 512
+    assert (ds.n_routed_experts, ds.n_group, ds.first_k_dense_replace, ds.num_hidden_layers) == (16, 8, 2, 4)
+    assert ds.rope_parameters["rope_type"] == "yarn" and ds.scoring_func == "sigmoid"  # DeepSeek-V3's
+    main([str(tmp_path / "next"), "--arch", "qwen3_next", "--no-data", "--num-layers", "4",
+          "--full-attention-interval", "4", "--linear-num-value-heads", "8"])  # fmt: skip
+    nxt = AutoConfig.from_pretrained(tmp_path / "next")
+    assert nxt.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert (
+        nxt.linear_num_value_heads == 8 and nxt.shared_expert_intermediate_size == nxt.moe_intermediate_size
+    )
+    qwen2 = AutoConfig.from_pretrained(
+        build_tiny_model(tmp_path / "q2", arch="qwen2", task=None, num_layers=3)
+    )
+    assert qwen2.num_hidden_layers == 3 and not qwen2.use_sliding_window
+
+
+def test_a_flag_the_family_has_no_use_for_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"--arch qwen2 takes no --num-experts"):
+        build_tiny_model(tmp_path / "a", arch="qwen2", task=None, num_experts=4)
+    with pytest.raises(ValueError, match=r"--arch deepseek_v3 takes no --head-dim"):
+        main([str(tmp_path / "b"), "--arch", "deepseek_v3", "--head-dim", "64"])
+    with pytest.raises(ValueError, match=r"--arch 'gpt2'"):
+        build_tiny_model(tmp_path / "c", arch="gpt2", task=None)
+
+
+def test_moe_families_spread_their_routers_and_biases(tmp_path):
+    """The default init leaves router logits near zero: routing would hardly depend on the token."""
+    from safetensors.torch import load_file
+
+    weights = load_file(
+        build_tiny_model(tmp_path / "ds", arch="deepseek_v3", task=None) / "model.safetensors"
+    )
+    gate, bias = (
+        weights["model.layers.1.mlp.gate.weight"],
+        weights["model.layers.1.mlp.gate.e_score_correction_bias"],
+    )
+    assert gate.std() > 0.3 and 0 < bias.abs().max() <= 0.1

@@ -21,6 +21,14 @@ SCORES = {
     "softmax": dict(),
     "pre_softmax": dict(moe_router_pre_softmax=True),
     "sigmoid_scaled": dict(moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5),
+    # DeepSeek-V3: the expert bias and the best groups choose the experts; the bias-free scores weigh them
+    "sigmoid_grouped_bias": dict(
+        moe_router_score_function="sigmoid",
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=3,
+        moe_router_group_topk=1,
+    ),
 }
 
 
@@ -41,13 +49,17 @@ def by_hand(logits: torch.Tensor, experts: torch.Tensor, kind: str) -> torch.Ten
         return torch.softmax(logits.gather(1, experts), dim=-1)
     if kind == "pre_softmax":
         return torch.softmax(logits, dim=-1).gather(1, experts)
-    chosen = torch.sigmoid(logits).gather(1, experts)
+    chosen = torch.sigmoid(logits).gather(1, experts)  # the expert bias never weighs
     return 2.5 * chosen / (chosen.sum(-1, keepdim=True) + 1e-20)
 
 
 @pytest.mark.parametrize("kind", sorted(SCORES))
-def test_megatron_router_replays_experts_with_weights_from_its_own_logits(kind):
+def test_megatron_router_replays_experts_with_weights_from_its_own_logits(kind, monkeypatch):
+    if not torch.cuda.is_available():  # Megatron puts the expert-bias buffers on the current CUDA device
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     router = make_router(layer_number=2, **SCORES[kind])
+    if router.expert_bias is not None:
+        router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0, -0.1, 0.2]))
     replay = RoutingReplay(num_layers=2, topk=2)
     module = torch.nn.ModuleDict({"router": router})
     assert attach_routing_replay(module, replay) == [1]  # Megatron numbers layers from 1

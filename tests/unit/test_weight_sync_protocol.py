@@ -194,10 +194,11 @@ def test_disk_sync_writes_a_directory_per_version_runs_the_hook_and_cleans_up(tm
             return [call(self)]
 
         def collective_rpc(self, method, kwargs):
+            # vime's worker extension: reload, then CPU MoE prepacking
+            if method == "reload_weights_from_path":
+                path = kwargs["weights_path"]
+                return [reloaded.append((path, sorted(os.listdir(path))))]
             return [Path(kwargs["path"]).read_text()]
-
-        def reload_weights(self, path):
-            reloaded.append((path, sorted(os.listdir(path))))
 
     monkeypatch.setattr(weight_sync, "EngineGroup", DiskEngines)
 
@@ -232,12 +233,11 @@ class _TokenClient:
         self.group, self.i = group, i
 
     def collective_rpc(self, method, kwargs):
+        if method == "reload_weights_from_path":
+            return [self.group.reloaded.append((self.i, kwargs["weights_path"]))]
         assert method == "read_sync_token"
         view = self.group.views[self.i]
         return [view(kwargs["path"]) if view else None]
-
-    def reload_weights(self, path):
-        self.group.reloaded.append((self.i, path))
 
 
 def test_disk_engines_reload_only_once_each_reads_the_trainers_token(tmp_path):

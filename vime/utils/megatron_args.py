@@ -81,6 +81,65 @@ _MODEL = [
             "transformer_engine, Megatron-LM's default, is refused).",
         ),
     ),
+    # multi-latent attention (DeepSeek-V3, Kimi-K2): Megatron-Core's MLASelfAttention, names and defaults as Megatron-LM
+    (
+        "--multi-latent-attention",
+        dict(action="store_true", help="Multi-latent attention (DeepSeek-V3, Kimi-K2)."),
+    ),
+    (
+        "--q-lora-rank",
+        dict(type=int, default=None, help="MLA query compression rank (None: no compression)."),
+    ),
+    ("--kv-lora-rank", dict(type=int, default=32, help="MLA key/value latent rank.")),
+    ("--qk-head-dim", dict(type=int, default=128, help="MLA query/key head size without RoPE.")),
+    ("--qk-pos-emb-head-dim", dict(type=int, default=64, help="MLA decoupled RoPE head size.")),
+    ("--v-head-dim", dict(type=int, default=128, help="MLA value head size.")),
+    (
+        "--rope-type",
+        dict(default=None, choices=["rope", "yarn"], help="MLA's RoPE (default yarn, as Megatron-LM's)."),
+    ),
+    ("--rotary-scaling-factor", dict(type=float, default=1.0, help="MLA YaRN scaling factor.")),
+    ("--mscale", dict(type=float, default=1.0, help="MLA YaRN mscale.")),
+    ("--mscale-all-dim", dict(type=float, default=0.0, help="MLA YaRN mscale_all_dim.")),
+    (
+        "--yarn-original-max-position-embeddings",
+        dict(type=int, default=None, help="YaRN's pre-scaling context (default 4096)."),
+    ),
+    ("--yarn-beta-fast", dict(type=float, default=None, help="YaRN beta_fast (default 32).")),
+    ("--yarn-beta-slow", dict(type=float, default=None, help="YaRN beta_slow (default 1).")),
+    (
+        "--no-rope-fusion",
+        dict(
+            action="store_false",
+            dest="apply_rope_fusion",
+            help="Unfused RoPE: what vime always runs (TransformerEngine's fused RoPE is not a dependency).",
+        ),
+    ),
+    (
+        "--no-position-embedding",
+        dict(
+            action="store_false",
+            dest="add_position_embedding",
+            help="No learned absolute position embedding (Megatron-LM's deprecated spelling; with "
+            "--position-embedding-type rope it changes nothing).",
+        ),
+    ),
+    # Qwen3-Next / Qwen3.5 (gated DeltaNet hybrids): the fsdp backend takes them from config.json; refused on
+    # Megatron, which has no gated DeltaNet without TransformerEngine and flash-linear-attention
+    ("--apply-layernorm-1p", dict(action="store_true", help="Norms scale by 1 + weight (Qwen3-Next).")),
+    (
+        "--attention-output-gate",
+        dict(action="store_true", help="Sigmoid-gated attention output (Qwen3-Next)."),
+    ),
+    ("--use-gated-attention", dict(action="store_true", help="slime's name for --attention-output-gate.")),
+    (
+        "--spec",
+        dict(
+            nargs="*",
+            default=None,
+            help="Megatron-LM's layer-spec provider (module function); vime builds its own layer specs.",
+        ),
+    ),
     (
         "--mtp-num-layers",
         dict(
@@ -96,6 +155,10 @@ _MOE = [
     ("--moe-ffn-hidden-size", dict(type=int, default=None, help="Expert FFN hidden size.")),
     ("--moe-shared-expert-intermediate-size", dict(type=int, default=None, help="Shared expert size.")),
     ("--moe-router-topk", dict(type=int, default=2, help="Experts per token.")),
+    (
+        "--moe-shared-expert-gate",
+        dict(action="store_true", help="Sigmoid gate on the shared expert (Qwen3-Next)."),
+    ),
     (
         "--moe-router-score-function",
         dict(default="softmax", choices=["softmax", "sigmoid"], help="Router score function."),

@@ -123,16 +123,21 @@ def causal_attention(
 def packed_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: VarlenBlocks, scale: float
 ) -> torch.Tensor:
-    """Causal attention of query rows [t, heads, d] over key/value rows [T, groups, d] block by block
-    (:class:`VarlenBlocks`); returns [t, heads, d]."""
-    if flash_varlen_supported(query):
+    """Causal attention of query rows [t, heads, d] over key/value rows [T, groups, d] (values: [T, groups, d_v]) block
+    by block (:class:`VarlenBlocks`); returns [t, heads, d_v]."""
+    head_v = value.shape[-1]
+    if flash_varlen_supported(query) and head_v <= query.shape[-1]:
         index = blocks.key_index
         if index is not None:
             key, value = key.index_select(0, index), value.index_select(0, index)
-        return _FlashVarlenCausal.apply(
+        # the kernels take one head size: multi-latent attention's smaller value heads are zero-padded, which adds
+        # zero output columns (cut off again) and leaves the others as they are
+        value = F.pad(value, (0, query.shape[-1] - head_v))
+        out = _FlashVarlenCausal.apply(
             query.contiguous(), key.contiguous(), value.contiguous(),
             blocks.cu_seqlens_q, blocks.cu_seqlens_k, blocks.max_q, blocks.max_k, scale,
         )  # fmt: skip
+        return out[..., :head_v]
     q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [heads or groups, rows, d]
     by_shape: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
     for block in blocks.blocks:

@@ -4,11 +4,15 @@ Every rank loads the full HF checkpoint on the CPU, then ``fully_shard`` keeps a
 rank's shard of each parameter. Each decoder layer (the classes in ``model._no_split_modules``) is its own FSDP
 unit, so only one layer's full weights are gathered at a time; the root unit holds embeddings, final norm and
 head. Master weights stay fp32; ``--bf16`` computes in bf16 (FSDP2 mixed precision) and reduces grads in fp32.
+Packed rows keep their samples apart: attention through vime's varlen attention, linear attention (Qwen3-Next's gated
+DeltaNet) by running each sample's rows on their own (:func:`split_linear_attention`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -16,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from vime.utils.varlen_attention import packed_causal_attention
+from vime.utils.varlen_attention import VarlenBlocks, packed_causal_attention
 
 # Packed micro-batches: each sample attends only to itself, through vime's varlen attention (FlashAttention-2
 # varlen kernels on GPU in bf16, one SDPA call per sample otherwise); transformers builds no mask for it.
@@ -39,6 +43,32 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)
+
+
+def _per_sequence(forward: Callable) -> Callable:
+    """``forward`` of a token mixer whose state runs along the row (gated DeltaNet's short convolution and
+    recurrence), called once per packed sequence: transformers' paths for it would carry one sample's state into the
+    next sample of the row."""
+
+    @functools.wraps(forward)
+    def run(
+        hidden_states: torch.Tensor, *args, vime_blocks: VarlenBlocks | None = None, **kwargs
+    ) -> torch.Tensor:
+        if vime_blocks is None:  # an unpacked batch (transformers' own use)
+            return forward(hidden_states, *args, **kwargs)
+        parts = [forward(hidden_states[:, a:b], *args, **kwargs) for a, b, _, _ in vime_blocks.blocks]
+        return torch.cat(parts, dim=1)
+
+    return run
+
+
+def split_linear_attention(model: nn.Module) -> int:
+    """Make every linear-attention layer of ``model`` (Qwen3-Next's gated DeltaNet) run packed sequences one by
+    one; returns how many it found."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    for layer in layers:
+        layer.forward = _per_sequence(layer.forward)
+    return len(layers)
 
 
 def compute_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -70,6 +100,7 @@ def load_hf_model(path: str, role: str) -> nn.Module:
     )
     # Recorded before fully_shard renames the class (FSDP<Name>), so an HF export names the right architecture.
     model.config.architectures = [type(model).__name__]
+    split_linear_attention(model)
     return model
 
 

@@ -83,6 +83,25 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             moe_grouped_gemm=False,  # Megatron's needs TransformerEngine; --moe-grouped-gemm: GroupedGemmExperts
             moe_permute_fusion=False,
         )
+    mla = {}
+    if args.multi_latent_attention:  # Megatron-Core's MLATransformerConfig (model.transformer_config)
+        mla = dict(
+            multi_latent_attention=True,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            rope_type=args.rope_type or "yarn",  # Megatron-LM's default for MLA
+            rotary_base=args.rotary_base,
+            rotary_percent=args.rotary_percent,
+            rotary_scaling_factor=args.rotary_scaling_factor,
+            mscale=args.mscale,
+            mscale_all_dim=args.mscale_all_dim,
+            original_max_position_embeddings=args.yarn_original_max_position_embeddings or 4096,
+            beta_fast=args.yarn_beta_fast or 32.0,
+            beta_slow=args.yarn_beta_slow or 1.0,
+        )
     return dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -129,6 +148,7 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         # packed micro-batches differ in length; only pipeline p2p needs to know (and then MoE needs alltoall)
         variable_seq_lengths=args.pipeline_model_parallel_size > 1,
         **moe,
+        **mla,
     )
 
 

@@ -1,4 +1,5 @@
-"""HF <-> Megatron-Core parameter names and tensor layouts (Qwen3 dense/MoE, Llama 3, GLM-4.5 style models).
+"""HF <-> Megatron-Core parameter names and tensor layouts (Qwen3 dense/MoE, Qwen2.5, Llama 3, GLM-4.5 and, with
+multi-latent attention, DeepSeek-V3 / Kimi-K2 style models).
 
 Pure tensor code, no Megatron import, so CPU CI tests it. Names here are *canonical* Megatron names of the
 local (non-TransformerEngine) layer spec, with **global** layer and expert indices, e.g.
@@ -10,6 +11,9 @@ Layouts (full, unsharded tensors):
   groups one after another. Splitting this tensor row-wise into TP chunks gives each rank its whole groups.
 - ``linear_fc1`` (SwiGLU): ``[gate; up]``. Under TP each rank holds ``[gate_r; up_r]``, so TP shards are
   built from the halves (:func:`shard_fc1`), never by cutting the fused tensor.
+- Multi-latent attention (``mla``): every projection is one HF tensor as is. The up-projections hold whole heads
+  (``[nope, rope]`` per query head, ``[nope, v]`` per key/value head) in HF's order, so TP row chunks are whole heads;
+  the down-projection's ``[kv_lora_rank, rope]`` rows are Megatron's split too.
 """
 
 from __future__ import annotations
@@ -79,6 +83,16 @@ _LAYER_RULES: list[tuple[str, list[str], str]] = [
     ),
     ("mlp.shared_experts.linear_fc2.weight", ["mlp.shared_experts.down_proj.weight"], PLAIN),
 ]
+# multi-latent attention, ahead of the rules above (q_layernorm is the query latent's norm there)
+_MLA_RULES: list[tuple[str, list[str], str]] = [
+    ("self_attention.linear_q_proj.weight", ["self_attn.q_proj.weight"], PLAIN),  # no query compression
+    ("self_attention.linear_q_down_proj.weight", ["self_attn.q_a_proj.weight"], PLAIN),
+    ("self_attention.q_layernorm.weight", ["self_attn.q_a_layernorm.weight"], PLAIN),
+    ("self_attention.linear_q_up_proj.weight", ["self_attn.q_b_proj.weight"], PLAIN),
+    ("self_attention.linear_kv_down_proj.weight", ["self_attn.kv_a_proj_with_mqa.weight"], PLAIN),
+    ("self_attention.kv_layernorm.weight", ["self_attn.kv_a_layernorm.weight"], PLAIN),
+    ("self_attention.linear_kv_up_proj.weight", ["self_attn.kv_b_proj.weight"], PLAIN),
+]
 _TOP_RULES: list[tuple[str, list[str], str]] = [
     ("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], PLAIN),
     ("decoder.final_layernorm.weight", ["model.norm.weight"], PLAIN),
@@ -98,8 +112,13 @@ _EXPERT_WEIGHT = re.compile(
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def hf_names(mcore_name: str) -> tuple[list[str], str]:
-    """The HF names of a canonical Megatron parameter and the kind of mapping (``plain``, ``qkv``, ``fc1``)."""
+def _layer_rules(mla: bool) -> list[tuple[str, list[str], str]]:
+    return _MLA_RULES + _LAYER_RULES if mla else _LAYER_RULES
+
+
+def hf_names(mcore_name: str, mla: bool = False) -> tuple[list[str], str]:
+    """The HF names of a canonical Megatron parameter and the kind of mapping (``plain``, ``qkv``, ``fc1``);
+    ``mla``: the model has multi-latent attention."""
     for suffix, hf, kind in _TOP_RULES:
         if mcore_name == suffix:
             return list(hf), kind
@@ -108,14 +127,14 @@ def hf_names(mcore_name: str) -> tuple[list[str], str]:
         layer, rest = match.groups()
         expert = _EXPERT.search(rest)
         key = _EXPERT.sub("local_experts.{e}.", rest) if expert else rest
-        for suffix, hf, kind in _LAYER_RULES:
+        for suffix, hf, kind in _layer_rules(mla):
             if key == suffix:
                 names = [h.format(e=expert.group(1)) if expert else h for h in hf]
                 return [f"model.layers.{layer}.{n}" for n in names], kind
     raise KeyError(f"no HF name for Megatron parameter {mcore_name!r} (hf_mapping._LAYER_RULES)")
 
 
-def mcore_name(hf_name: str) -> str:
+def mcore_name(hf_name: str, mla: bool = False) -> str:
     """The canonical Megatron name that holds HF tensor ``hf_name`` (several HF tensors share a fused one)."""
     for suffix, hf, _ in _TOP_RULES:
         if hf_name in hf:
@@ -125,7 +144,7 @@ def mcore_name(hf_name: str) -> str:
         layer, rest = match.groups()
         expert = _HF_EXPERT.search(rest) if rest.startswith("mlp.experts.") else None
         key = _HF_EXPERT.sub("experts.{e}.", rest, count=1) if expert else rest
-        for suffix, hf, _ in _LAYER_RULES:
+        for suffix, hf, _ in _layer_rules(mla):
             if key in hf:
                 return f"decoder.layers.{layer}.{suffix.format(e=expert.group(1)) if expert else suffix}"
     raise KeyError(f"no Megatron parameter for HF tensor {hf_name!r} (hf_mapping._LAYER_RULES)")

@@ -18,7 +18,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from vime.backends.megatron_utils.config import transformer_config_kwargs
 from vime.backends.megatron_utils.grouped_experts import check_grouped_gemm_config, use_grouped_experts
@@ -44,11 +44,14 @@ class PackedCoreAttention(MegatronModule):
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
     ):
         super().__init__(config=config)
-        self.softmax_scale = softmax_scale or config.kv_channels**-0.5
+        # multi-latent attention passes its own scale (YaRN's mscale) and head sizes (query/key 192, value 128 ...)
+        self.softmax_scale = softmax_scale or (k_channels or config.kv_channels) ** -0.5
 
     def forward(
         self,
@@ -63,7 +66,8 @@ class PackedCoreAttention(MegatronModule):
         layout = getattr(packed_seq_params, "_vime_layout", None)
         if layout is None or attention_bias is not None:
             raise ValueError("PackedCoreAttention takes packed batches from packed_seq_params() and no bias")
-        query, key, value = (x.squeeze(1) for x in (query, key, value))  # [t, heads or groups, d]
+        # [t, 1, heads or groups, d] -> [t, heads or groups, d]; multi-latent attention hands them over as the latter
+        query, key, value = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
         if layout.cp_size > 1:
             group = parallel_state.get_context_parallel_group()
             key, value = (
@@ -105,6 +109,18 @@ class PackedRotaryEmbedding(torch.nn.Module):
         return table[layout.rope_positions]
 
 
+class PackedMLARotaryEmbedding(PackedRotaryEmbedding):
+    """:class:`PackedRotaryEmbedding` for multi-latent attention, which builds its own rotary embedding (plain or
+    YaRN) and applies it to ``[t, heads, dim]`` rows: the frequencies come out as ``[t, 1, dim]``, with YaRN's cos/sin
+    scale beside them as the YaRN embedding returns it."""
+
+    def forward(self, layout: PackedLayout, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, float]:
+        out = self.rotary(max(layout.padded_lengths), packed_seq=True)
+        table, mscale = out if isinstance(out, tuple) else (out, None)
+        rows = table[layout.rope_positions][:, 0]  # [t, 1, dim]
+        return rows if mscale is None else (rows, mscale)
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` built from Megatron's arguments. With sequence parallelism each TP rank normalises
     different tokens, so the weight is tagged for ``finalize_model_grads`` to sum its gradient over TP."""
@@ -127,8 +143,10 @@ def packed_seq_params(layout: PackedLayout) -> PackedSeqParams:
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
-    """The ``TransformerConfig`` of the Megatron flags (:func:`transformer_config_kwargs`)."""
-    return TransformerConfig(**transformer_config_kwargs(args))
+    """The ``TransformerConfig`` of the Megatron flags (:func:`transformer_config_kwargs`); an
+    ``MLATransformerConfig`` with --multi-latent-attention."""
+    kwargs = transformer_config_kwargs(args)
+    return (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
 
 
 def build_gpt_model(
@@ -146,7 +164,13 @@ def build_gpt_model(
             use_grouped_experts(layer.submodules.mlp)
         attention = layer.submodules.self_attention.submodules
         attention.core_attention = PackedCoreAttention
-        if attention.q_layernorm is not IdentityOp:  # Qwen3's per-head q/k norms
+        if config.multi_latent_attention:
+            if (
+                config.qk_layernorm
+            ):  # the query and key/value latents' norms (no query latent without q_lora_rank)
+                attention.q_layernorm = IdentityOp if config.q_lora_rank is None else RMSNorm
+                attention.kv_layernorm = RMSNorm
+        elif attention.q_layernorm is not IdentityOp:  # Qwen3's per-head q/k norms
             attention.q_layernorm = attention.k_layernorm = RMSNorm
         layer.submodules.input_layernorm = RMSNorm
         layer.submodules.pre_mlp_layernorm = RMSNorm
@@ -175,7 +199,12 @@ def build_gpt_model(
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
     )
-    if position == "rope":
+    if config.multi_latent_attention:  # each MLA layer has its own rotary embedding
+        for layer in model.decoder.layers:
+            layer.self_attention.rotary_pos_emb = PackedMLARotaryEmbedding(
+                layer.self_attention.rotary_pos_emb
+            )
+    elif position == "rope":
         model.rotary_pos_emb = PackedRotaryEmbedding(model.rotary_pos_emb)
     model.cuda(torch.cuda.current_device())
     # Parameters only (torch norms are created in fp32); buffers such as the router's expert bias keep theirs.

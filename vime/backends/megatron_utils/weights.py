@@ -78,13 +78,14 @@ def local_tensors(model) -> list[LocalTensor]:
         name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
         return _EXPERT.sub(lambda m: f"local_experts.{int(m.group(1)) + expert_offset}.", name)
 
+    mla = model.config.multi_latent_attention
     out = []
     items = list(model.named_parameters()) + [
         (n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")
     ]
     for name, tensor in items:
         full_name = canonical(name)
-        names, kind = hf_mapping.hf_names(full_name)
+        names, kind = hf_mapping.hf_names(full_name, mla)
         split = getattr(tensor, "tensor_model_parallel", False)
         out.append(
             LocalTensor(
@@ -207,6 +208,7 @@ def iter_hf_tensors(
         e.canonical: e for e in local_tensors(model) if not (tied and e.canonical == "output_layer.weight")
     }
     shape = attention_shape(model)
+    mla = model.config.multi_latent_attention
     single_holder = (
         parallel_state.get_pipeline_model_parallel_world_size() == 1
         and parallel_state.get_expert_model_parallel_world_size() == 1
@@ -251,7 +253,7 @@ def iter_hf_tensors(
             yield name, full
             continue
         entry = entries.get(name)
-        names, kind = (entry.hf_names, entry.kind) if entry is not None else hf_mapping.hf_names(name)
+        names, kind = (entry.hf_names, entry.kind) if entry is not None else hf_mapping.hf_names(name, mla)
         yield from zip(names, hf_mapping.to_hf(kind, full, shape), strict=True)
 
 

@@ -120,7 +120,8 @@ class DiskTransport:
                         "filesystem shared by the trainer's node and every engine's node, or use "
                         "--update-weight-transport distributed"
                     )
-            engines.run(lambda engine: engine.reload_weights(str(self.version_dir)))
+            kwargs = {"weights_path": str(self.version_dir)}
+            engines.run(lambda engine: engine.collective_rpc("reload_weights_from_path", kwargs=kwargs))
             if not self.keep_files:
                 shutil.rmtree(self.version_dir)
         return 0

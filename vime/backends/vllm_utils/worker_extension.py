@@ -173,6 +173,13 @@ class VimeWorkerExtension:
             staged.clear()
             _prepack_cpu_experts(self.model_runner.get_model())
 
+    def reload_weights_from_path(self, weights_path: str) -> None:
+        """``disk``: reload the HF safetensors in ``weights_path``; on CPU the fused-MoE weights are prepacked again,
+        as after any reload (:func:`_prepack_cpu_experts`)."""
+        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        if not torch.cuda.is_available():
+            _prepack_cpu_experts(self.model_runner.get_model())
+
     def read_sync_token(self, path: str) -> str | None:
         """The ``disk`` transport's token file as this worker's node sees it (None if it cannot read it)."""
         try:
