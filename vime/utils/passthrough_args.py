@@ -47,7 +47,9 @@ class _MirrorAction(argparse.Action):
         else:
             call_values = converted
         self.upstream(self.upstream_parser, scratch, call_values, upstream_option)
-        setattr(namespace, self.dest, getattr(scratch, self.upstream.dest))
+        value = getattr(scratch, self.upstream.dest)
+        # validated; a value of an upstream type (a config object, an enum) is kept as typed: see is_plain
+        setattr(namespace, self.dest, value if is_plain(value) else (raw[0] if len(raw) == 1 else raw))
         records = getattr(namespace, _RECORD_ATTR, None)
         if records is None:
             records = {}
@@ -64,6 +66,20 @@ class _OwnedByVimeAction(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         raise argparse.ArgumentError(self, f"vime sets this itself: {self.fix}")
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is plain data (None, bool, number, string, or lists/dicts of them). The parsed arguments
+    travel to every Ray actor of a run: a value of an upstream type there (vLLM's config objects and enums are the
+    defaults of many ``--vllm-*`` flags) would make each actor import vLLM to unpickle them, seconds per process. vime
+    replays the typed tokens (:func:`passthrough_cli_args`), so such a flag keeps its tokens (default: None)."""
+    if value is None or type(value) in (bool, int, float, str):  # exact: an IntEnum is an int
+        return True
+    if isinstance(value, list | tuple | set | frozenset):
+        return type(value) in (list, tuple, set, frozenset) and all(is_plain(item) for item in value)
+    if type(value) is dict:
+        return all(isinstance(key, str) and is_plain(item) for key, item in value.items())
+    return False
 
 
 def add_passthrough_flags(
@@ -100,7 +116,7 @@ def add_passthrough_flags(
                 prefix=prefix,
                 upstream_parser=upstream_parser,
                 nargs=nargs,
-                default=action.default,
+                default=action.default if is_plain(action.default) else None,
                 help=argparse.SUPPRESS,
                 metavar=action.metavar,
             )
