@@ -159,20 +159,10 @@ def test_unset_passthrough_flags_carry_upstream_defaults(parser):
 def test_parsed_args_unpickle_without_importing_vllm(parser, tmp_path):
     """Every Ray actor of a run unpickles the arguments: vLLM's config objects and enums among the --vllm-* defaults
     (or typed by the user) would make each import vLLM for it, ~5 s of CPU per process."""
-    args = parser.parse_args(
-        [
-            *BASE,
-            "--vllm-optimization-level",
-            "1",
-            "--vllm-compilation-config",
-            '{"mode": 0}',
-            "--vllm-enforce-eager",
-        ]
-    )
-    assert (
-        args.vllm_enforce_eager is True and args.vllm_optimization_level == "1"
-    )  # typed tokens kept as typed
-    assert passthrough_cli_args(args, "vllm")[:2] == ["--optimization-level", "1"]
+    # --vllm-optimization-level's default is an enum, --vllm-compilation-config's value a config object
+    args = parser.parse_args([*BASE, "--vllm-compilation-config", '{"mode": 0}', "--vllm-enforce-eager"])
+    assert args.vllm_optimization_level is None and args.vllm_compilation_config == '{"mode": 0}'
+    assert passthrough_cli_args(args, "vllm") == ["--compilation-config", '{"mode": 0}', "--enforce-eager"]
     (tmp_path / "args.pkl").write_bytes(pickle.dumps(args))
     imported = subprocess.run(
         [sys.executable, "-c", "import pickle, sys; pickle.load(open(sys.argv[1], 'rb')); "
