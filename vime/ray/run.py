@@ -16,7 +16,7 @@ from vime.backends.vllm_utils import control_auth
 from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
 from vime.ray.placement_group import bundle_slots, create_placement_groups, num_bundles
 from vime.ray.rollout_batch import RolloutBatch
-from vime.ray.rollout_manager import create_rollout_manager
+from vime.ray.rollout import create_rollout_manager
 from vime.ray.train_group import RayTrainGroup
 from vime.utils.arg_validation import check_run_paths
 from vime.utils.reaper import start_reaper

@@ -1,7 +1,7 @@
 """The rollout side as one plain object: vLLM engines, the router, the data buffer and the rollout functions.
 
-``vime/ray/rollout_manager.py`` wraps it as a Ray actor; tests and ``--debug-rollout-only`` use it directly. With
-``--vllm-config`` the frozen models (reference, teacher, reward) are served beside the policy, each behind its own
+``vime/ray/rollout.py`` (slime's ``slime/ray/rollout.py``) wraps it as a Ray actor; tests and ``--debug-rollout-only``
+use it directly. With ``--vllm-config`` the frozen models (reference, teacher, reward) are served beside the policy, each behind its own
 router (``args.vllm_model_routers``); only the policy's engines are synced, put to sleep and health-checked.
 """
 
