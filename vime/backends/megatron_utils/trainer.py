@@ -10,7 +10,6 @@ vocab-parallel (``log_probs.py``). The critic (``role="critic"``, for ppo) is th
 from __future__ import annotations
 
 import argparse
-import copy
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -34,10 +33,10 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from vime.backends.megatron_utils import checkpoint, weights
 from vime.backends.megatron_utils.config import (
-    apply_megatron_config,
     compute_dtype,
     ddp_config_kwargs,
     load_hook,
+    role_args,
 )
 from vime.backends.megatron_utils.hf_config import check_hf_config, load_hf_config
 from vime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
@@ -100,7 +99,7 @@ class MegatronTrainer(TrainerBase):
     def __init__(self, args: argparse.Namespace, role: str = "actor"):
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
-        args = apply_megatron_config(copy.copy(args), role)
+        args = role_args(args, role)
         if args.fp16:
             raise ValueError("--fp16 is not supported by the Megatron backend (no loss scaling); use --bf16")
         init_megatron_parallel(args)
@@ -191,8 +190,7 @@ class MegatronTrainer(TrainerBase):
 
     def _scheduler(self, lr: float) -> OptimizerParamScheduler:
         args = self.args
-        num_rollout = getattr(args, "num_rollout", None)
-        total = num_rollout * args.num_steps_per_rollout if num_rollout else None
+        total = args.num_rollout * args.num_steps_per_rollout if args.num_rollout else None
         decay = args.lr_decay_iters or total or 1
         warmup = args.lr_warmup_iters
         if args.lr_warmup_fraction is not None:
