@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGUMENT_MODULES = {
     "vime/utils/arguments.py",
     "vime/utils/arg_validation.py",
+    "vime/utils/algorithm_flags.py",
     "vime/utils/backend_flags.py",
     "vime/utils/megatron_args.py",
     "vime/utils/refused_flags.py",

@@ -16,6 +16,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,14 +199,7 @@ class RolloutManager:
             output = load_rollout_data(self.args.load_forge_rollout_data.format(rollout_id=rollout_id))
         else:
             self._state_before = (rollout_id, *self._states())
-            output = call_rollout_fn(
-                self.functions.rollout,
-                self.args,
-                rollout_id,
-                self.data_source,
-                evaluation=False,
-                run_context=self.run_context,
-            )
+            output = self._call(self.functions.rollout, rollout_id, evaluation=False)
         samples = [s for group in output.samples for s in group]
         output.metrics = {**(output.metrics or {}), **sample_metrics(self.args, samples)}
         if self.args.custom_rollout_log_function_path and not self.args.load_debug_rollout_data:
@@ -228,14 +222,7 @@ class RolloutManager:
 
     def eval(self, rollout_id: int) -> RolloutFnEvalOutput:
         """Run the eval function over ``--eval-prompt-data`` / ``--eval-config``."""
-        output = call_rollout_fn(
-            self.functions.eval,
-            self.args,
-            rollout_id,
-            self.data_source,
-            evaluation=True,
-            run_context=self.run_context,
-        )
+        output = self._call(self.functions.eval, rollout_id, evaluation=True)
         if self.args.custom_eval_rollout_log_function_path:
             log = load_function(
                 self.args.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path"
@@ -243,6 +230,15 @@ class RolloutManager:
             if log(rollout_id, self.plugin_args, output.data, output.metrics or {}):
                 output.metrics = {}
         return output
+
+    def _call(
+        self, fn: Callable[..., Any], rollout_id: int, evaluation: bool
+    ) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+        """The rollout or eval function ``fn`` on rollout ``rollout_id``, with the run context
+        (:func:`~vime.rollout.base_types.call_rollout_fn`)."""
+        return call_rollout_fn(
+            fn, self.args, rollout_id, self.data_source, evaluation=evaluation, run_context=self.run_context
+        )
 
     def num_rollout_per_epoch(self) -> int:
         """Rollout steps per pass over ``--prompt-data`` (sets ``--num-rollout`` from ``--num-epoch``)."""
