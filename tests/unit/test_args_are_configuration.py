@@ -1,5 +1,5 @@
-"""``args`` is configuration (DESIGN.md §4): after parsing and validation nothing writes it. Runtime state lives in the
-rollout manager's run context (``vime.utils.run_context``).
+"""``args`` is configuration (DESIGN.md §4): after parsing and validation nothing writes it. Runtime state lives in
+the rollout manager's run context (``vime.utils.run_context``).
 
 Walks the syntax tree of ``vime/``, ``train.py`` and ``train_async.py``, leaving out the modules that define and
 validate flags (``argument_modules.ARGUMENT_MODULES``), and fails on any write to an attribute of ``<x>args``

@@ -346,9 +346,9 @@ class TrainerBase:
         )
         step = args.ckpt_step if args.ckpt_step is not None else latest_iteration(load_dir)
         if load_dir and step is not None:
-            if not iteration_dir(load_dir, step).is_dir():
+            if not (iter_dir := iteration_dir(load_dir, step)).is_dir():
                 raise FileNotFoundError(
-                    f"no checkpoint {iteration_dir(load_dir, step)} ({flag} {load_dir}, --ckpt-step {args.ckpt_step})"
+                    f"no checkpoint {iter_dir} ({flag} {load_dir}, --ckpt-step {args.ckpt_step})"
                 )
             if args.finetune:
                 self._load_weights(load_dir, step)
