@@ -18,7 +18,7 @@ def main(args) -> None:
         )
     run = start_run(args)
     try:
-        for rollout_id in range(run.start_rollout_id, args.num_rollout):
+        for rollout_id in range(run.start_rollout_id, run.num_rollout):
             if run.should_eval(rollout_id):
                 run.evaluate(rollout_id)
             started = time.monotonic()
@@ -29,8 +29,8 @@ def main(args) -> None:
                 run.save(rollout_id)
             metrics |= run.sync_weights()
             run.tracker.log(rollout_id, metrics)
-        if run.should_eval(args.num_rollout):
-            run.evaluate(args.num_rollout)
+        if run.should_eval(run.num_rollout):
+            run.evaluate(run.num_rollout)
     finally:
         run.close()
 

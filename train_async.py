@@ -24,14 +24,14 @@ def main(args) -> None:
     run = start_run(args)
     try:
         next_rollout = run.generate(run.start_rollout_id)
-        for rollout_id in range(run.start_rollout_id, args.num_rollout):
+        for rollout_id in range(run.start_rollout_id, run.num_rollout):
             if run.should_eval(rollout_id):
                 run.evaluate(rollout_id)
             step_started = time.monotonic()
             batch = run.wait_rollout(next_rollout)
             metrics = {**batch.metrics, "time/rollout_wait_s": time.monotonic() - step_started}
             next_rollout = None
-            if rollout_id + 1 < args.num_rollout:  # trained after this step's weight push, if there is one
+            if rollout_id + 1 < run.num_rollout:  # trained after this step's weight push, if there is one
                 pushed = (rollout_id + 1) % args.update_weights_interval == 0
                 next_rollout = run.generate(rollout_id + 1, sync_before_train=pushed)
             metrics |= run.train(rollout_id, batch)
@@ -42,8 +42,8 @@ def main(args) -> None:
                     run.wait_rollout(next_rollout)  # never change weights in the middle of a rollout
                 metrics |= run.sync_weights()
             run.tracker.log(rollout_id, {**metrics, "time/step_s": time.monotonic() - step_started})
-        if run.should_eval(args.num_rollout):
-            run.evaluate(args.num_rollout)
+        if run.should_eval(run.num_rollout):
+            run.evaluate(run.num_rollout)
     finally:
         run.close()
 

@@ -166,10 +166,7 @@ def bench_served(args, prompt_ids: list[list[int]], opts, log_dir: Path) -> dict
     try:
         manager.start()
         model = args.hf_checkpoint
-        engine_url, router_url = (
-            manager.engines[0].url,
-            f"http://{args.vllm_router_ip}:{args.vllm_router_port}",
-        )
+        engine_url, router_url = manager.engines[0].url, manager.run_context.router_url
         timed("direct", lambda i: run(drive_directly(engine_url, model, prompt_ids, opts)))
         timed("direct_via_router", lambda i: run(drive_directly(router_url, model, prompt_ids, opts)))
         timed("vime", vime_batch)

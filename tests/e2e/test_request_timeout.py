@@ -23,8 +23,10 @@ import pytest
 
 from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.router import register_workers
-from vime.rollout import vllm_generate
-from vime.rollout.vllm_generate import close_contexts, generate, sampling_params_from_args
+from vime.rollout import router_client
+from vime.rollout.router_client import close_contexts
+from vime.rollout.vllm_generate import generate, sampling_params_from_args
+from vime.utils.run_context import PluginArgs, RunContext
 from vime.utils.types import Sample, Status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -68,8 +70,8 @@ def test_a_request_on_a_hung_engine_comes_back_through_the_timeout_and_a_too_lon
         "--rollout-temperature", "1.0",
     )  # fmt: skip
     assert not args.use_fault_tolerance
-    args.vllm_router_ip, args.vllm_router_port = router.host, router.port
-    args.rollout_engine_urls = [hung.url, live.url]
+    run_context = RunContext(router_ip=router.host, router_port=router.port, engine_urls=[hung.url, live.url])
+    args = PluginArgs(args, run_context)  # as a generate function is handed them
     params = sampling_params_from_args(args)
 
     async def counts() -> list[float]:
@@ -108,7 +110,7 @@ def test_a_request_on_a_hung_engine_comes_back_through_the_timeout_and_a_too_lon
         finally:
             await close_contexts()
 
-    with caplog.at_level(logging.WARNING, logger=vllm_generate.__name__):
+    with caplog.at_level(logging.WARNING, logger=router_client.__name__):
         too_long, warm, results, (served_by_live, routed_to_hung, routed_to_live) = asyncio.run(main())
 
     assert too_long.status == Status.FAILED and too_long.remove_sample and too_long.response_length == 0

@@ -18,7 +18,7 @@ from conftest import EnginePool
 from vime.backends.vllm_utils.control_client import EngineControlClient
 from vime.rollout import fully_async_rollout
 from vime.rollout.rollout_manager import RolloutManager
-from vime.rollout.vllm_generate import ROUTER_ERROR_RETRY_S
+from vime.rollout.router_client import ROUTER_ERROR_RETRY_S
 from vime.rollout.vllm_rollout import RolloutError
 from vime.utils.arguments import parse_args
 from vime.utils.async_utils import run
@@ -233,7 +233,11 @@ def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
     dropped): requests in flight when the engine pauses in place are held (none finishes) and finish after resume
     stamped with the version they were sent at; the worker draws nothing while the weights change, though dropped
     groups leave room; groups two versions old are generated again."""
-    source, saved_fn = manager.data_source, manager.functions.rollout
+    source, saved_fn, saved_version = (
+        manager.data_source,
+        manager.functions.rollout,
+        manager.run_context.weight_version,
+    )
     url = manager.engine_urls()[0]
 
     async def control(method: str, **kw) -> None:
@@ -252,17 +256,15 @@ def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
         return len(worker().ready) == ready and not worker().in_flight
 
     manager.functions.rollout = rollout  # its hooks are called as the run's rollout function's
+    manager.run_context.weight_version = 0
     try:
         with overrides(
-            manager.args,
-            max_staleness=1,
-            weight_version=0,
-            dynamic_sampling_filter_path="rollout_plugins.keep_even_groups",
+            manager.args, max_staleness=1, dynamic_sampling_filter_path="rollout_plugins.keep_even_groups"
         ):
-            manager.generate(10, train_version=0)  # then the worker generates one rollout ahead (lag 1)
+            manager.generate(10)  # then the worker generates one rollout ahead (lag 1)
             wait_until(lambda: idle_with(B))
             run(control("pause", mode="keep"))
-            assert manager.generate(11, train_version=0).metrics["fully_async/staleness_max"] == 0
+            assert manager.generate(11).metrics["fully_async/staleness_max"] == 0
             wait_until(lambda: len(worker().in_flight) == B)  # the next rollout's groups, held by the engine
             time.sleep(1.0)
             assert len(worker().in_flight) == B and not worker().ready
@@ -273,7 +275,7 @@ def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
             wait_until(lambda: idle_with(B // 2))  # the odd half dropped ...
             assert source.next_group_index == drawn  # ... but nothing drawn to replace it during the "sync"
             manager.set_weight_version(1)
-            across = manager.generate(12, train_version=1)
+            across = manager.generate(12)
             by_group = {group[0].group_index: group for group in across.samples}
             assert [i for i in held if i % 2 == 0] == [i for i in held if i in by_group]
             for i in by_group:
@@ -287,11 +289,11 @@ def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
                 manager.before_weight_update()
                 manager.set_weight_version(version)
                 wait_until(lambda: not worker().in_flight)
-            stale = manager.generate(13, train_version=3)  # version-1 groups lag 2: generated again
+            stale = manager.generate(13)  # version-1 groups lag 2: generated again
             assert stale.metrics["fully_async/regenerated_groups"] == B
             assert all(s.weight_versions == [2] for g in stale.samples for s in g)
     finally:
-        manager.functions.rollout = saved_fn
+        manager.functions.rollout, manager.run_context.weight_version = saved_fn, saved_version
         rollout.stop()
     assert rollout.worker.stopped and not rollout.worker.in_flight
 

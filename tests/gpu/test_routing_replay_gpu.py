@@ -94,7 +94,7 @@ class RoutingLog:
 
     def __init__(self, trainer, backend: str):
         self.calls = []
-        modules = [trainer._trained_module()] + ([trainer.ref_model] if trainer.ref_model is not None else [])
+        modules = [trainer.module] + ([trainer.ref_model] if trainer.ref_model is not None else [])
         replay = trainer.routing.replay
         for module in modules:
             for layer, router in self._routers(module, backend):

@@ -12,6 +12,7 @@ import pytest
 
 from vime.backends.vllm_utils import engine_monitor
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
+from vime.utils.run_context import RunContext
 
 
 class FakeEngine:
@@ -60,7 +61,8 @@ def _monitor(engines, max_restarts=3):
         made.append(FakeEngine(f"new{slot}.{len(made)}"))
         return made[-1]
 
-    return EngineMonitor(args, engines, "http://router", make), made
+    run_context = RunContext(engine_urls=[engine.url for engine in engines])
+    return EngineMonitor(args, engines, "http://router", make, run_context), made
 
 
 def test_a_dead_engine_is_replaced_and_rejoins_after_a_sync(router):
@@ -71,11 +73,12 @@ def test_a_dead_engine_is_replaced_and_rejoins_after_a_sync(router):
     assert router == [("remove", "e1")]  # out of the router at once; the replacement not yet in
     assert set(monitor.starting) == {1} and monitor.metrics()["fault/engine_restarts"] == 1.0
     assert monitor.live_urls() == ["e0"]  # a weight sync now goes on without the starting replacement
+    assert monitor.run_context.engine_urls == ["e0"]  # and the rollout aborts requests on e0 only
     monitor.admit_synced()  # such a sync admits nothing
     assert router == [("remove", "e1")]
     monitor.ensure_healthy()  # it is up: the next sync reaches it
     assert monitor.starting == {} and monitor.waiting_for_weights == {1}
-    assert monitor.live_urls() == ["e0", "new1.0"]
+    assert monitor.live_urls() == ["e0", "new1.0"] == monitor.run_context.engine_urls
     monitor.admit_synced()
     assert router == [("remove", "e1"), ("add", "new1.0")] and monitor.waiting_for_weights == set()
     monitor.ensure_healthy()  # all healthy: nothing happens

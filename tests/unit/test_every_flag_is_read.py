@@ -15,28 +15,14 @@ from __future__ import annotations
 import argparse
 import ast
 import re
-from pathlib import Path
+
+from argument_modules import ARGUMENT_MODULES, ROOT, is_args, walked_files
 
 from vime.utils import megatron_args
 from vime.utils.arguments import build_parser
 from vime.utils.backend_flags import MEGATRON_UNSUPPORTED
 from vime.utils.passthrough_args import _OwnedByVimeAction
 from vime.utils.refused_flags import RefusedFlagAction
-
-ROOT = Path(__file__).resolve().parents[2]
-# Where flags are defined, parsed and validated: a mention there is not a use.
-ARGUMENT_MODULES = {
-    "vime/utils/arguments.py",
-    "vime/utils/arg_validation.py",
-    "vime/utils/backend_flags.py",
-    "vime/utils/megatron_args.py",
-    "vime/utils/refused_flags.py",
-    "vime/utils/passthrough_args.py",
-    "vime/utils/upstream_parsers.py",
-    "vime/utils/slime_names.py",
-}
-ARGUMENT_PACKAGES = ("vime/utils/flags/",)
-ARGS_NAME = re.compile(r"(?:\w+_)?args$")
 
 # getattr(args, <computed name>) in the walked code -> the flags it reads. (file, the name's source) -> dests.
 COMPUTED_READS: dict[tuple[str, str], set[str]] = {
@@ -53,6 +39,8 @@ COMPUTED_READS: dict[tuple[str, str], set[str]] = {
     # check_external_engines (validation) loops over flags refused with external engines: credits none, they are
     # read elsewhere
     ("vime/utils/vllm_config.py", "dest"): set(),
+    # PluginArgs forwards whatever name a plug-in reads to the parsed flags: credits none, the plug-in reads it
+    ("vime/utils/run_context.py", "name"): set(),
 }
 
 # Flags that vime's code after validation rightly never reads, each with the reason. The Megatron-named flags among
@@ -128,12 +116,6 @@ def parser_flags() -> dict[str, str]:
     }
 
 
-def is_args(node: ast.AST) -> bool:
-    """``args``, ``eval_args``, ``self.args``, ``self._args`` ..."""
-    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
-    return bool(ARGS_NAME.fullmatch(name.lstrip("_")))
-
-
 def reads_in(tree: ast.AST) -> tuple[set[str], set[str]]:
     """(dests read by attribute or constant getattr, sources of computed getattr names) in ``tree``."""
     names: set[str] = set()
@@ -164,16 +146,6 @@ def reads_in(tree: ast.AST) -> tuple[set[str], set[str]]:
             else:
                 computed.add(ast.unparse(name))
     return names, computed
-
-
-def walked_files() -> list[Path]:
-    files = [*(ROOT / "vime").rglob("*.py"), ROOT / "train.py", ROOT / "train_async.py"]
-    return [
-        path
-        for path in files
-        if (rel := path.relative_to(ROOT).as_posix()) not in ARGUMENT_MODULES
-        and not rel.startswith(ARGUMENT_PACKAGES)
-    ]
 
 
 def reads_per_file() -> dict[str, tuple[set[str], set[str]]]:

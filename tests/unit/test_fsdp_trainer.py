@@ -15,6 +15,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vime.backends.fsdp_utils.trainer import FSDPTrainer
+from vime.backends.policy_inputs import policy_inputs
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils import ppo_utils
 from vime.utils.arguments import parse_args
@@ -546,7 +547,7 @@ def test_opd_term_from_teacher_log_probs_on_the_samples_hand_worked(base_args):
     samples = _opd_samples()
     student = [torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -0.5]), torch.tensor([-1.0])]
     masks = [loss_mask_of(s) for s in samples]
-    data, metrics = trainer._policy_data(samples, [0.0] * 3, masks, None, student, None)
+    data, metrics = policy_inputs(trainer, samples, [0.0] * 3, masks, None, student, None)
     # zero rewards: A = -0.5 * (logp_student - logp_teacher) per token; the FAILED sample's term is 0
     expected = [[-0.5 * (-1.0 + 0.5), -0.5 * (-2.0 + 3.0)], [-0.5 * (-2.0 + 1.0), -0.5 * (-0.5 + 1.0)], [0.0]]
     for got, want in zip(data["advantages"], expected, strict=True):
@@ -561,10 +562,10 @@ def test_opd_without_teacher_log_probs_names_the_reward_to_use(base_args):
     samples[1].teacher_log_probs = None
     student = [torch.zeros(s.response_length) for s in samples]
     with pytest.raises(ValueError, match="vime.rollout.on_policy_distillation.reward_func"):
-        trainer._policy_data(samples, [0.0] * 3, [loss_mask_of(s) for s in samples], None, student, None)
+        policy_inputs(trainer, samples, [0.0] * 3, [loss_mask_of(s) for s in samples], None, student, None)
     samples[1].teacher_log_probs = [-1.0]
     with pytest.raises(ValueError, match="len\\(teacher_log_probs\\)=1 != response_length=2"):
-        trainer._policy_data(samples, [0.0] * 3, [loss_mask_of(s) for s in samples], None, student, None)
+        policy_inputs(trainer, samples, [0.0] * 3, [loss_mask_of(s) for s in samples], None, student, None)
 
 
 def test_teacher_log_probs_from_a_server_train_like_the_trainer_side_teacher(base_args, tmp_path):

@@ -16,6 +16,7 @@ from vime.rollout.filter_hub.base_types import DynamicFilterOutput
 from vime.rollout.fully_async_rollout import FullyAsyncWorker
 from vime.rollout.vllm_rollout import RolloutError
 from vime.utils.data import PromptDataset
+from vime.utils.run_context import RunContext
 from vime.utils.types import Sample, Status
 
 B = 2  # groups per rollout
@@ -25,12 +26,17 @@ def make_args(**overrides) -> argparse.Namespace:
     values = dict(
         prompt_data="prompts.jsonl", rollout_seed=1, rollout_shuffle=False, n_samples_per_prompt=2,
         rollout_batch_size=B, over_sampling_batch_size=None, max_staleness=1, rollout_concurrency=64,
-        rollout_engine_urls=["http://e0"], weight_version=1, partial_rollout=False,
+        partial_rollout=False,
         dynamic_sampling_filter_path=None, rollout_sample_filter_path=None, rollout_all_samples_process_path=None,
         rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=4,
         rollout_stop=None, rollout_stop_token_ids=None, reward_key=None, log_passrate=False, use_score_centering=False,
     )  # fmt: skip
     return argparse.Namespace(**{**values, **overrides})
+
+
+def make_run() -> RunContext:
+    """One engine, serving weight version 1."""
+    return RunContext(engine_urls=["http://e0"], weight_version=1)
 
 
 def make_source(args, num_prompts: int = 40) -> RolloutDataSource:
@@ -46,9 +52,9 @@ class FakeEngine:
         self.started: list[tuple[int, int]] = []  # (group_index, weight version)
         self.outcome: dict[int, object] = {}  # group_index -> Status.ABORTED or an exception, once
 
-    async def __call__(self, args, group, sampling_params, rollout_id):
+    async def __call__(self, args, group, sampling_params, rollout_id, *, run_context):
         key = group[0].group_index
-        version = args.weight_version
+        version = run_context.weight_version
         self.started.append((key, version))
         self.waiting[key] = asyncio.get_running_loop().create_future()
         await self.waiting[key]
@@ -80,7 +86,7 @@ def prompts(output) -> list[int]:
 async def sync(worker: FullyAsyncWorker) -> None:
     """A weight sync as the manager drives it."""
     await worker.pause()
-    worker.args.weight_version += 1
+    worker.run.weight_version += 1
     await worker.resume()
     await settle()
 
@@ -89,7 +95,7 @@ def test_a_group_too_stale_for_its_rollout_is_generated_again_and_no_trained_sam
     async def scenario():
         args = make_args(max_staleness=1)  # train.py's loop: each rollout trains on the engines' version
         engine, source = FakeEngine(), make_source(args)
-        worker = FullyAsyncWorker(args, source, generate=engine)
+        worker = FullyAsyncWorker(args, source, make_run(), generate=engine)
         first = asyncio.ensure_future(worker.next_batch(0, train_version=1))
         await settle()
         # 2 groups for rollout 0 and 2 for rollout 1 (lag 1 there); a third rollout ahead would lag 2
@@ -127,7 +133,7 @@ def test_one_step_ahead_loop_starts_nothing_that_would_lag_past_the_bound():
         # train_async.py: rollout r is generated at version v and trained at v + 1
         args = make_args(max_staleness=1)
         engine, source = FakeEngine(), make_source(args)
-        worker = FullyAsyncWorker(args, source, generate=engine)
+        worker = FullyAsyncWorker(args, source, make_run(), generate=engine)
         first = asyncio.ensure_future(worker.next_batch(0, train_version=1))
         await settle()
         await engine.finish(*sorted(engine.waiting))
@@ -147,9 +153,10 @@ def test_one_step_ahead_loop_starts_nothing_that_would_lag_past_the_bound():
 def test_a_bound_the_loop_cannot_meet_is_refused():
     async def scenario():
         args = make_args(max_staleness=0)
-        worker = FullyAsyncWorker(args, make_source(args), generate=FakeEngine())
+        run = make_run()
+        worker = FullyAsyncWorker(args, make_source(args), run, generate=FakeEngine())
         with pytest.raises(RolloutError, match="needs --max-staleness >= 1"):
-            await worker.next_batch(1, train_version=args.weight_version + 1)
+            await worker.next_batch(1, train_version=run.weight_version + 1)
 
     asyncio.run(scenario())
 
@@ -158,7 +165,7 @@ def test_no_request_starts_during_a_weight_sync():
     async def scenario():
         args = make_args(max_staleness=2)
         engine, source = FakeEngine(), make_source(args)
-        worker = FullyAsyncWorker(args, source, generate=engine)
+        worker = FullyAsyncWorker(args, source, make_run(), generate=engine)
         first = asyncio.ensure_future(worker.next_batch(0, train_version=1))
         await settle()
         await engine.finish(0, 1)
@@ -167,7 +174,7 @@ def test_no_request_starts_during_a_weight_sync():
         await worker.pause()
         await engine.finish(2)  # room frees up, but the weights are changing
         assert len(engine.started) == started
-        args.weight_version = 2
+        worker.run.weight_version = 2
         await worker.resume()
         await settle()
         assert len(engine.started) > started and all(v == 2 for _, v in engine.started[started:])
@@ -179,7 +186,7 @@ def test_surplus_groups_wait_for_the_next_rollout_in_finishing_order():
     async def scenario():
         args = make_args(max_staleness=2)
         engine, source = FakeEngine(), make_source(args)
-        worker = FullyAsyncWorker(args, source, generate=engine)
+        worker = FullyAsyncWorker(args, source, make_run(), generate=engine)
         first = asyncio.ensure_future(worker.next_batch(0, train_version=1))
         await settle()
         await engine.finish(5, 3, 0, 1)
@@ -199,7 +206,7 @@ def test_groups_the_dynamic_filter_drops_are_counted_and_never_trained():
     async def scenario():
         args = make_args(dynamic_sampling_filter_path=f"{__name__}.keep_even", max_staleness=2)
         engine, source = FakeEngine(), make_source(args)
-        worker = FullyAsyncWorker(args, source, generate=engine)
+        worker = FullyAsyncWorker(args, source, make_run(), generate=engine)
         batch = asyncio.ensure_future(worker.next_batch(0, train_version=1))
         await settle()
         while not batch.done():
@@ -215,7 +222,7 @@ def test_an_aborted_group_goes_back_to_the_buffer(partial):
     async def scenario():
         args = make_args(partial_rollout=partial, max_staleness=2)
         engine, source = FakeEngine(), make_source(args)
-        worker = FullyAsyncWorker(args, source, generate=engine)
+        worker = FullyAsyncWorker(args, source, make_run(), generate=engine)
         engine.outcome[0] = Status.ABORTED
         batch = asyncio.ensure_future(worker.next_batch(0, train_version=1))
         await settle()
@@ -235,7 +242,7 @@ def test_a_failing_group_fails_the_rollout_waiting_for_it():
     async def scenario():
         args = make_args()
         engine = FakeEngine()
-        worker = FullyAsyncWorker(args, make_source(args), generate=engine)
+        worker = FullyAsyncWorker(args, make_source(args), make_run(), generate=engine)
         engine.outcome[0] = RuntimeError("router gone")
         batch = asyncio.ensure_future(worker.next_batch(0, train_version=1))
         await settle()
@@ -251,7 +258,7 @@ def test_stop_cancels_the_requests_in_flight_and_starts_no_more():
     async def scenario():
         args = make_args()
         engine = FakeEngine()
-        worker = FullyAsyncWorker(args, make_source(args), generate=engine)
+        worker = FullyAsyncWorker(args, make_source(args), make_run(), generate=engine)
         batch = asyncio.ensure_future(worker.next_batch(0, train_version=1))
         await settle()
         waiting = list(engine.waiting.values())
@@ -272,7 +279,7 @@ def test_a_checkpoint_holds_every_drawn_untrained_group_as_a_prompt():
     async def scenario():
         args = make_args(max_staleness=2)
         engine, source = FakeEngine(), make_source(args)
-        worker = FullyAsyncWorker(args, source, generate=engine)
+        worker = FullyAsyncWorker(args, source, make_run(), generate=engine)
         trained = []
         for rollout_id in range(3):
             batch = asyncio.ensure_future(worker.next_batch(rollout_id, train_version=1 + rollout_id))
@@ -319,10 +326,10 @@ def test_lifecycle_hooks_are_no_ops_without_a_worker():
 # -- through the rollout manager (no engines: groups finish at once) -----------------------------------------------
 
 
-async def instant_group(args, group, sampling_params, rollout_id):
+async def instant_group(args, group, sampling_params, rollout_id, *, run_context):
     for sample in group:
         sample.append_response_tokens(tokens=[5], log_probs=[-1.0])
-        sample.weight_versions.append(args.weight_version)
+        sample.weight_versions.append(run_context.weight_version)
         sample.status, sample.reward = Status.COMPLETED, 1.0
     return group
 
@@ -352,10 +359,11 @@ def test_manager_checkpoint_of_a_one_step_ahead_loop_loses_and_repeats_no_prompt
     monkeypatch.setattr(fully_async_rollout, "generate_group", instant_group)
     manager = RolloutManager(manager_args, tmp_path / "logs")
     try:
-        trained = [manager.generate(0, train_version=0), manager.generate(1, train_version=1)]
+        # each rollout trains on one weight version more than the engines serve while it is generated
+        trained = [manager.generate(0), manager.generate(1, weights_ahead=True)]
         manager.before_weight_update()
         manager.set_weight_version(1)
-        upcoming = manager.generate(2, train_version=2)
+        upcoming = manager.generate(2, weights_ahead=True)
         manager.save(1, tmp_path / "ckpt")
         worker = manager.functions.rollout.worker
         lags = [r.metrics["fully_async/staleness_max"] for r in (*trained, upcoming)]

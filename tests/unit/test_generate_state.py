@@ -8,6 +8,7 @@ from vime.rollout.generate_state import GenerateState
 from vime.rollout.vllm_rollout import close_contexts, get_context
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils.arguments import parse_args
+from vime.utils.run_context import PluginArgs, RunContext
 
 
 def test_generate_state_is_shared_and_exposes_what_plug_ins_use(tmp_path):
@@ -17,7 +18,8 @@ def test_generate_state_is_shared_and_exposes_what_plug_ins_use(tmp_path):
          "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-rollout", "1",
          "--rollout-max-response-len", "7", "--rollout-concurrency", "3"]
     )  # fmt: skip
-    args.vllm_router_ip, args.vllm_router_port, args.rollout_engine_urls = "127.0.0.1", 1, ["a", "b"]
+    # what a generate function is handed: the flags, and the run's router and engines behind them
+    args = PluginArgs(args, RunContext(router_ip="127.0.0.1", router_port=1, engine_urls=["a", "b"]))
 
     async def main():
         state = GenerateState(args)

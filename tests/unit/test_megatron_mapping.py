@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vime.backends.megatron_utils import hf_mapping
-from vime.backends.megatron_utils.config import role_overrides
+from vime.backends.megatron_utils.config import role_args, role_overrides
 from vime.backends.megatron_utils.hf_config import (
     check_hf_config,
     flags_from_hf_config,
@@ -114,6 +114,18 @@ def test_role_overrides():
     data = {"lr": 1e-6, "recompute-granularity": "full", "critic": {"lr": 1e-5}}
     assert role_overrides(data, "actor") == {"lr": 1e-6, "recompute_granularity": "full"}
     assert role_overrides(data, "critic")["lr"] == 1e-5
+
+
+def test_role_args_are_a_new_namespace_and_the_parsed_flags_stay(tmp_path):
+    config = tmp_path / "megatron.yaml"
+    config.write_text("lr: 1.0e-6\ncritic:\n  lr: 1.0e-5\n")
+    args = argparse.Namespace(megatron_config_path=str(config), lr=3e-4, seed=1)
+    critic, actor = role_args(args, "critic"), role_args(args, "actor")
+    assert (critic.lr, actor.lr, args.lr) == (1e-5, 1e-6, 3e-4) and critic.seed == 1
+    assert role_args(argparse.Namespace(megatron_config_path=None), "actor").megatron_config_path is None
+    config.write_text("lrr: 1.0\n")
+    with pytest.raises(ValueError, match="unknown flag 'lrr'"):
+        role_args(args, "actor")
 
 
 def _model_args(script: str) -> list[str]:

@@ -14,14 +14,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from vime.rollout import vllm_generate
-from vime.rollout.vllm_generate import (
-    RequestTimeoutError,
-    RetryableRequestError,
-    RolloutError,
-    generate,
-    generate_fresh_group,
-)
+from vime.rollout import router_client
+from vime.rollout.router_client import RequestTimeoutError, RetryableRequestError, RolloutError
+from vime.rollout.vllm_generate import generate, generate_fresh_group
+from vime.utils.run_context import PluginArgs, RunContext
 from vime.utils.types import Sample, Status
 
 # vllm-router 0.1.17, text/plain: no worker registered, or every worker's circuit open (also after 10 failures)
@@ -92,15 +88,16 @@ class FakeServer:
         return self.url
 
 
-def _args(router_url: str, fault_tolerance: bool = False, timeout_s: float = 1800.0) -> argparse.Namespace:
+def _args(router_url: str, fault_tolerance: bool = False, timeout_s: float = 1800.0) -> PluginArgs:
+    """The args a plug-in is handed: the flags, and the run context (router, weight version 2) behind them."""
     host, port = router_url.removeprefix("http://").split(":")
-    return argparse.Namespace(
-        vllm_router_ip=host, vllm_router_port=int(port), rollout_concurrency=4, rollout_engine_urls=[],
-        use_fault_tolerance=fault_tolerance, engine_start_timeout=1.0, rollout_health_check_interval=1.0,
-        rollout_health_check_timeout=1.0, rollout_request_timeout=timeout_s, hf_checkpoint="m", weight_version=2,
-        rollout_sample_seeds=False, rollout_max_context_len=None, use_rollout_routing_replay=False,
+    flags = argparse.Namespace(
+        rollout_concurrency=4, use_fault_tolerance=fault_tolerance, engine_start_timeout=1.0,
+        rollout_health_check_interval=1.0, rollout_health_check_timeout=1.0, rollout_request_timeout=timeout_s,
+        hf_checkpoint="m", rollout_sample_seeds=False, rollout_max_context_len=None, use_rollout_routing_replay=False,
         use_score_centering=False,
     )  # fmt: skip
+    return PluginArgs(flags, RunContext(router_ip=host, router_port=int(port), weight_version=2))
 
 
 def _run(router: FakeServer, engines: list[FakeServer], body: Callable, **arg_kw):
@@ -113,7 +110,7 @@ def _run(router: FakeServer, engines: list[FakeServer], body: Callable, **arg_kw
         try:
             return await body(args)
         finally:
-            await vllm_generate.close_contexts()
+            await router_client.close_contexts()
             for server in (router, *engines):
                 await server.runner.cleanup()
 
@@ -129,7 +126,7 @@ PARAMS = {"max_tokens": 1, "temperature": 1.0}
 
 @pytest.fixture(autouse=True)
 def no_retry_pause(monkeypatch):
-    monkeypatch.setattr(vllm_generate, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(router_client, "RETRY_PAUSE_S", 0.0)
 
 
 @pytest.mark.parametrize("fault_tolerance", [False, True])
@@ -138,9 +135,9 @@ def test_router_errors_during_fail_over_are_sent_again_and_counted_once(caplog, 
 
     async def body(args):
         group = await generate_fresh_group(args, _group(), dict(PARAMS))
-        return group, vllm_generate.get_context(args).requeued_samples
+        return group, router_client.get_context(args).requeued_samples
 
-    with caplog.at_level(logging.WARNING, logger=vllm_generate.__name__):
+    with caplog.at_level(logging.WARNING, logger=router_client.__name__):
         group, requeued = _run(router, [], body, fault_tolerance=fault_tolerance)
     assert router.calls == 5 and requeued == 2
     assert all(s.status == Status.TRUNCATED and s.tokens == [3, 4, 5, 7] for s in group)
@@ -150,7 +147,7 @@ def test_router_errors_during_fail_over_are_sent_again_and_counted_once(caplog, 
 
 
 def test_a_router_error_past_the_window_ends_the_rollout_with_the_reason(monkeypatch):
-    monkeypatch.setattr(vllm_generate, "ROUTER_ERROR_RETRY_S", 0.0)
+    monkeypatch.setattr(router_client, "ROUTER_ERROR_RETRY_S", 0.0)
     router = FakeServer(answers=[WORKER_LOST])
     with pytest.raises(RetryableRequestError, match="HTTP 500: Request failed: error sending request"):
         _run(router, [], lambda args: generate(args, _group()[0], dict(PARAMS)))
@@ -159,7 +156,7 @@ def test_a_router_error_past_the_window_ends_the_rollout_with_the_reason(monkeyp
 
 def test_a_too_long_prompt_is_failed_with_vllms_reason_and_not_sent_again(caplog):
     router = FakeServer(answers=[TOO_LONG])
-    with caplog.at_level(logging.WARNING, logger=vllm_generate.__name__):
+    with caplog.at_level(logging.WARNING, logger=router_client.__name__):
         group = _run(router, [], lambda args: generate_fresh_group(args, _group(), dict(PARAMS)))
     assert router.calls == 1
     reason = (
@@ -183,11 +180,11 @@ def test_a_request_on_a_hung_engine_is_sent_straight_to_one_that_answers(caplog)
     hung, live = FakeServer(hang=True, healthy=False), FakeServer()
 
     async def body(args):
-        return await generate(args, _group()[0], dict(PARAMS)), vllm_generate.get_context(
+        return await generate(args, _group()[0], dict(PARAMS)), router_client.get_context(
             args
         ).requeued_samples
 
-    with caplog.at_level(logging.WARNING, logger=vllm_generate.__name__):
+    with caplog.at_level(logging.WARNING, logger=router_client.__name__):
         sample, requeued = _run(router, [hung, live], body, timeout_s=0.5)
     assert sample.status == Status.TRUNCATED and sample.tokens == [3, 4, 5, 7] and requeued == 1
     assert (router.calls, hung.calls, live.calls) == (1, 0, 1)

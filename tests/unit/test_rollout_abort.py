@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from vime.backends.vllm_utils.control_client import EngineControlError
-from vime.rollout import vllm_generate
+from vime.rollout import router_client
+from vime.utils.run_context import RunContext
 
 CALLS: list[tuple[str, str]] = []
 
@@ -32,15 +33,15 @@ class FakeClient:
 
 def _abort(fault_tolerance: bool, urls: list[str]) -> None:
     args = argparse.Namespace(
-        vllm_router_ip="127.0.0.1", vllm_router_port=1, rollout_concurrency=4, rollout_engine_urls=urls,
-        use_fault_tolerance=fault_tolerance, engine_start_timeout=1.0, rollout_health_check_interval=1.0,
-        rollout_health_check_timeout=1.0, rollout_request_timeout=1800.0,
+        rollout_concurrency=4, use_fault_tolerance=fault_tolerance, engine_start_timeout=1.0,
+        rollout_health_check_interval=1.0, rollout_health_check_timeout=1.0, rollout_request_timeout=1800.0,
     )  # fmt: skip
+    run = RunContext(router_ip="127.0.0.1", router_port=1, engine_urls=urls)
 
     async def main():
-        ctx = vllm_generate.RolloutContext(args)
+        ctx = router_client.RolloutContext(args, run)
         try:
-            args.rollout_engine_urls = [*urls, "http://new"]  # an engine replaced since the context was made
+            run.engine_urls = [*urls, "http://new"]  # an engine replaced since the context was made
             await ctx.abort_all()
         finally:
             await ctx.session.close()
@@ -49,7 +50,7 @@ def _abort(fault_tolerance: bool, urls: list[str]) -> None:
 
 
 def test_a_dead_engine_is_skipped_only_with_fault_tolerance(monkeypatch):
-    monkeypatch.setattr(vllm_generate, "EngineControlClient", FakeClient)
+    monkeypatch.setattr(router_client, "EngineControlClient", FakeClient)
     CALLS.clear()
     _abort(True, ["http://e0", "http://dead"])
     assert [c for c in CALLS if c[0] != "close"] == [

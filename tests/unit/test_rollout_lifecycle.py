@@ -28,10 +28,12 @@ class CountingRollout:
 
     def __init__(self, args, data_source):
         self.args, self.data_source, self.calls = args, data_source, 0
+        self.run_context = None
         EVENTS.append(("init",))
 
-    def __call__(self, args, rollout_id, data_source, evaluation=False):
+    def __call__(self, args, rollout_id, data_source, evaluation=False, *, run_context):
         assert data_source is self.data_source
+        self.run_context = run_context
         self.calls += 1
         EVENTS.append(("eval" if evaluation else "rollout", rollout_id))
         if evaluation:
@@ -42,7 +44,7 @@ class CountingRollout:
         EVENTS.append(("before_weight_update",))
 
     def after_weight_update(self, version):
-        EVENTS.append(("after_weight_update", version, self.args.weight_version))
+        EVENTS.append(("after_weight_update", version, self.run_context.weight_version))
 
     def state_dict(self):
         EVENTS.append(("state_dict",))

@@ -9,12 +9,14 @@ import asyncio
 from vime.rollout import vllm_generate
 from vime.rollout.data_source import RolloutDataSource
 from vime.utils.data import PromptDataset
+from vime.utils.run_context import PluginArgs, RunContext
 from vime.utils.types import Sample, Status
 
 CALLS: list[tuple] = []
 
 
 def tag_hook(args, sample, *, rollout_id=None, evaluation=False):
+    assert isinstance(args, PluginArgs)  # a plug-in: the read-only view of the flags and the run context
     CALLS.append(("sync", sample.index, rollout_id, evaluation))
     sample.metadata["tagged"] = True  # changed in place, returns None
 
@@ -40,7 +42,7 @@ def test_sample_hooks_run_in_order_before_the_reward(monkeypatch):
     CALLS.clear()
     args = argparse.Namespace(rollout_sample_hook_path=[f"{__name__}.tag_hook", f"{__name__}.replace_hook"])
     group = [Sample(index=i, status=Status.COMPLETED) for i in range(2)]
-    out = asyncio.run(vllm_generate._rewarded(args, group, rollout_id=7))
+    out = asyncio.run(vllm_generate._rewarded(args, group, rollout_id=7, run_context=RunContext()))
     assert CALLS == [
         ("sync", 0, 7, False),
         ("sync", 1, 7, False),
@@ -51,7 +53,8 @@ def test_sample_hooks_run_in_order_before_the_reward(monkeypatch):
     assert rewarded == [(0, "replaced", True), (1, "replaced", True)]
     CALLS.clear()  # an aborted group goes back to the buffer untouched
     aborted = [Sample(index=3, status=Status.ABORTED)]
-    assert asyncio.run(vllm_generate._rewarded(args, aborted, rollout_id=8)) == aborted and CALLS == []
+    back = asyncio.run(vllm_generate._rewarded(args, aborted, rollout_id=8, run_context=RunContext()))
+    assert back == aborted and CALLS == []
 
 
 def test_buffer_filter_chooses_the_buffered_groups():

@@ -13,6 +13,7 @@ from vime.rollout.rollout_manager import RolloutManager
 from vime.rollout.vllm_generate import generate, generate_fresh_group, sample_seed
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils.arguments import parse_args
+from vime.utils.run_context import RunContext
 from vime.utils.types import Sample, Status
 
 
@@ -25,6 +26,7 @@ class RecordingRouter:
         self.aborting = False
         self.retry_window_s = 0.0
         self.requeued_samples = 0
+        self.run = RunContext(weight_version=0)
 
     async def completion(self, payload, engine_url=None):
         self.payloads.append(payload)
@@ -44,7 +46,7 @@ def _group(size: int, first_index: int) -> list[Sample]:
 @pytest.mark.parametrize("seeded", [False, True])
 def test_requests_carry_a_seed_only_with_the_flag(monkeypatch, seeded):
     ctx = RecordingRouter()
-    monkeypatch.setattr(vllm_generate, "get_context", lambda args: ctx)
+    monkeypatch.setattr(vllm_generate, "get_context", lambda args, run_context: ctx)
     args = types.SimpleNamespace(
         hf_checkpoint="m", rollout_seed=42, rollout_sample_seeds=seeded, rollout_max_context_len=None,
         use_rollout_routing_replay=False, use_score_centering=False,

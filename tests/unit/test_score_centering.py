@@ -196,7 +196,7 @@ def test_score_centering_needs_fsdp_and_reinforce_excludes_gspo(capsys):
 
 
 def test_trainer_takes_the_samples_heads_and_refuses_missing_ones():
-    from vime.backends.trainer_base import sampler_heads_of
+    from vime.backends.policy_inputs import sampler_heads_of
     from vime.utils.types import Sample
 
     sample = Sample(index=0, tokens=[5, 0, 1], response_length=2)

@@ -38,6 +38,7 @@ from vime.utils.processing_utils import (
     load_processor,
     load_tokenizer,
 )
+from vime.utils.run_context import PluginArgs, RunContext
 from vime.utils.sglang_compat import SamplingParams
 from vime.utils.types import Sample, Status
 
@@ -112,10 +113,15 @@ def test_generate_and_rm_group_runs_a_slime_generate_function(model_dir):
     )  # fmt: skip
     assert vllm_rollout.GenerateState is VimeGenerateState
 
+    run = RunContext()
+    view = PluginArgs(
+        args, run
+    )  # what the rollout hands a plug-in: the flags, and the run's router behind them
+
     async def main():
         runner, port = await _fake_vllm()
-        args.vllm_router_ip = args.sglang_router_ip = "127.0.0.1"
-        args.vllm_router_port = args.sglang_router_port = port
+        run.router_ip, run.router_port = "127.0.0.1", port
+        args = view
         try:
             state = vllm_rollout.GenerateState(args)
             assert state.processor is None  # a text model, as slime's
@@ -144,8 +150,8 @@ def test_generate_and_rm_group_runs_a_slime_generate_function(model_dir):
         assert sample.status == Status.COMPLETED and sample.reward == 3.0
         assert sample.metadata["concurrency"] == 3
     assert aborted.status == Status.ABORTED and aborted.reward is None
-    args.vllm_model_routers = {"policy": ("127.0.0.1", 7)}
-    assert vllm_rollout.get_model_url(args, "policy") == "http://127.0.0.1:7/generate"  # slime's default path
+    run.model_routers = {"policy": ("127.0.0.1", 7)}
+    assert vllm_rollout.get_model_url(view, "policy") == "http://127.0.0.1:7/generate"  # slime's default path
     assert len(REQUESTS) == 3 and all(r["max_tokens"] == 3 and r["prompt"] == [14, 15] for r in REQUESTS)
 
 
@@ -186,8 +192,8 @@ def test_post_answers_sglang_generate_and_get_rollout_num_engines(model_dir):
 
     args = _args(model_dir, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2")
     assert get_rollout_num_engines(args) == 2
-    args.rollout_engine_urls = ["http://a", "http://b", "http://c"]  # live engines, once the manager runs
-    assert get_rollout_num_engines(args) == 3
+    live = PluginArgs(args, RunContext(engine_urls=["http://a", "http://b", "http://c"]))  # a rollout's view
+    assert get_rollout_num_engines(live) == 3
     attached = _args(model_dir, "--rollout-external-engine-addrs", "h:1", "h:2")
     assert get_rollout_num_engines(attached) == 2
 
@@ -301,27 +307,33 @@ def _returns(value):
 
 def test_call_rollout_fn_takes_slimes_return_shapes():
     a, b, c = Sample(index=0), Sample(index=1), Sample(index=2)
-    out = call_rollout_fn(_returns([[a, b], [c]]), None, 0, None, evaluation=False)
+    out = call_rollout_fn(_returns([[a, b], [c]]), None, 0, None, evaluation=False, run_context=RunContext())
     assert isinstance(out, RolloutFnTrainOutput) and out.samples == [[a, b], [c]] and out.metrics is None
-    fanned = call_rollout_fn(_returns([[[a, b], [c]]]), None, 0, None, evaluation=False)  # an agent's turns
+    fanned = call_rollout_fn(
+        _returns([[[a, b], [c]]]), None, 0, None, evaluation=False, run_context=RunContext()
+    )  # an agent's turns
     assert fanned.samples == [[a, b, c]]
     typed = RolloutFnTrainOutput(samples=[[a]], metrics={"m": 1})
-    assert call_rollout_fn(_returns(typed), None, 0, None, evaluation=False) is typed
+    assert (
+        call_rollout_fn(_returns(typed), None, 0, None, evaluation=False, run_context=RunContext()) is typed
+    )
     data = {"d": {"rewards": [1.0], "truncated": [False], "samples": [a]}}
-    evaluated = call_rollout_fn(_returns(data), None, 0, None, evaluation=True)
+    evaluated = call_rollout_fn(_returns(data), None, 0, None, evaluation=True, run_context=RunContext())
     assert isinstance(evaluated, RolloutFnEvalOutput) and evaluated.data == data
     with pytest.raises(TypeError, match="a flat list of samples"):
-        call_rollout_fn(_returns([a, b]), None, 0, None, evaluation=False)
+        call_rollout_fn(_returns([a, b]), None, 0, None, evaluation=False, run_context=RunContext())
     with pytest.raises(TypeError, match="returned dict; expected RolloutFnTrainOutput"):
-        call_rollout_fn(_returns(data), None, 0, None, evaluation=False)
+        call_rollout_fn(_returns(data), None, 0, None, evaluation=False, run_context=RunContext())
     with pytest.raises(TypeError, match="group 0 has no samples"):
-        call_rollout_fn(_returns([[]]), None, 0, None, evaluation=False)
+        call_rollout_fn(_returns([[]]), None, 0, None, evaluation=False, run_context=RunContext())
     seen = Sample(index=9)
     seen.multimodal_inputs = {"images": ["img"]}
     with pytest.raises(ValueError, match="sample 9 carries multimodal inputs"):
-        call_rollout_fn(_returns([[seen]]), None, 0, None, evaluation=False)
+        call_rollout_fn(_returns([[seen]]), None, 0, None, evaluation=False, run_context=RunContext())
     seen.multimodal_inputs = {"images": None}  # what a text dataset row gives: fine
-    assert call_rollout_fn(_returns([[seen]]), None, 0, None, evaluation=False).samples == [[seen]]
+    assert call_rollout_fn(
+        _returns([[seen]]), None, 0, None, evaluation=False, run_context=RunContext()
+    ).samples == [[seen]]
 
 
 # ---------------------------------------------------------------------------------------- flags plug-ins read
@@ -380,11 +392,14 @@ def test_execute_train_runs_the_train_script_with_the_models_args(tmp_path, caps
 
 def test_a_rollout_written_like_slimes_submits_aborts_and_resets(model_dir):
     """slime's generate_rollout_async pattern: submit groups, take what is needed, abort the rest, reset."""
-    args = _args(model_dir, "--rm-type", "exact", "--partial-rollout")
+    flags = _args(model_dir, "--rm-type", "exact", "--partial-rollout")
+
+    run = RunContext()
 
     async def main():
         runner, port = await _fake_vllm()
-        args.vllm_router_ip, args.vllm_router_port, args.rollout_engine_urls = "127.0.0.1", port, []
+        run.router_ip, run.router_port = "127.0.0.1", port
+        args = PluginArgs(flags, run)
         try:
             state = vllm_rollout.GenerateState(args)
             state.submit_generate_tasks(

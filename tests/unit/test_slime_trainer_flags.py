@@ -18,6 +18,7 @@ from vime.backends.fsdp_utils.trainer import FSDPTrainer
 from vime.backends.trainer_base import TrainerBase
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils.arguments import parse_args
+from vime.utils.distributed import DataParallel, init_distributed
 from vime.utils.flops import sequence_flops
 from vime.utils.offload import local_shard
 from vime.utils.train_data import shape_rewards
@@ -256,11 +257,11 @@ def test_forward_only_passes_use_the_log_probs_token_budget(base_args):
 
 
 class _FakeTrainer(TrainerBase):
-    def __init__(self, args):
-        self.args = args
+    """Only what micro-batch planning reads: the flags and a one-rank data-parallel group."""
 
-    def _reduce_max(self, values):
-        return values
+    def __init__(self, args):
+        init_distributed()
+        self.args, self.dp = args, DataParallel(0, 1)
 
 
 def test_balance_by_flops_packs_micro_batches_by_estimated_flops(base_args, model_dir):

@@ -43,7 +43,7 @@ def _args(**overrides) -> argparse.Namespace:
 
 
 def _write_run(run_dir: Path, steps: int = 12) -> None:
-    tracker = Tracker(_args(num_rollout=steps), run_dir)
+    tracker = Tracker(_args(), run_dir, num_rollout=steps)
     for step in range(steps):
         tracker.log(
             step,
@@ -81,7 +81,7 @@ def test_eval_line():
 
 
 def test_jsonl_records_and_console(tmp_path, capsys):
-    tracker = Tracker(_args(), tmp_path / "run")
+    tracker = Tracker(_args(), tmp_path / "run", num_rollout=100)
     tracker.log(0, TRAIN)
     tracker.log(1, {"rollout/reward_mean": math.nan, "train/loss": math.inf, "count": 3})
     tracker.log_eval(1, {"eval/gsm8k/mean_reward": 0.5})

@@ -16,15 +16,18 @@ from fake_http import serve_posts
 
 from vime.ray.weight_update import WeightUpdate
 from vime.utils.async_utils import run
+from vime.utils.run_context import RunContext
 
 TRAINER = "trainer"
 ROLLOUT = "kept copy"
 
 
 class FakeManager:
-    """The rollout manager's side: records each step in ``calls``."""
+    """The rollout manager's side, its engines serving weight ``version``: records each step in ``calls``."""
 
-    def __init__(self, args, log_dir, calls: list, urls: list[str], stranded: list[str] | None = None):
+    def __init__(
+        self, args, log_dir, calls: list, urls: list[str], stranded: list[str] | None = None, version: int = 0
+    ):
         self.args, self.log_dir, self.calls, self.urls, self.stranded = (
             args,
             log_dir,
@@ -32,6 +35,7 @@ class FakeManager:
             urls,
             stranded or [],
         )
+        self.run_context = RunContext(weight_version=version)
 
     def stranded_engines(self) -> list[str]:
         return self.stranded
@@ -129,9 +133,12 @@ def test_a_sync_runs_its_steps_in_order_and_checks_every_engine(args, tmp_path, 
     calls: list = []
     urls = engines(TRAINER, TRAINER)
     update = WeightUpdate(
-        FakeManager(args, tmp_path, calls, urls), FakeGroup("actor", calls), FakeGroup("critic", calls)
+        FakeManager(args, tmp_path, calls, urls, version=6),
+        FakeGroup("actor", calls),
+        FakeGroup("critic", calls),
     )
-    metrics = update.update(7)
+    version, metrics = update.update()
+    assert version == 7  # one after the version the engines served
     sync_dir = str(tmp_path / "weight_sync")
     assert calls == [
         ("wake_up", "weights"),
@@ -155,14 +162,14 @@ def test_a_sync_runs_its_steps_in_order_and_checks_every_engine(args, tmp_path, 
 def test_a_sync_an_engine_died_in_is_done_again_once(args, tmp_path, engines):
     calls: list = []
     urls = engines(TRAINER)
-    manager = FakeManager(args, tmp_path, calls, urls)
-    metrics = WeightUpdate(manager, FakeGroup("actor", calls, fail_pushes=1), None).update(3)
+    manager = FakeManager(args, tmp_path, calls, urls, version=2)
+    _, metrics = WeightUpdate(manager, FakeGroup("actor", calls, fail_pushes=1), None).update()
     assert [call[0] for call in calls].count("ensure_engines_healthy") == 2  # the dead engine replaced first
     assert metrics["fault/sync_retries"] == 1.0 and calls[-1] == ("set_weight_version", 3, urls)
 
     calls.clear()
     with pytest.raises(ray.exceptions.RayTaskError):  # twice: the run stops
-        WeightUpdate(manager, FakeGroup("actor", calls, fail_pushes=2), None).update(4)
+        WeightUpdate(manager, FakeGroup("actor", calls, fail_pushes=2), None).update()
     assert not [call for call in calls if call[0] == "set_weight_version"]
 
 
@@ -172,8 +179,11 @@ def test_stranded_replacements_get_the_rollouts_weights_checked_then_admitted(
 ):
     calls: list = []
     urls = engines(ROLLOUT if kept else TRAINER)
-    manager = FakeManager(args, tmp_path, calls, ["http://serving"], stranded=urls)
-    metrics = WeightUpdate(manager, FakeGroup("actor", calls), None).update(5, True, rollout_weights=kept)
+    # the kept copy is the version the engines serve; the actor's weights (trained since) are the next
+    manager = FakeManager(args, tmp_path, calls, ["http://serving"], stranded=urls, version=5 if kept else 4)
+    update = WeightUpdate(manager, FakeGroup("actor", calls), None)
+    version, metrics = update.update(True, rollout_weights=kept, new_version=not kept)
+    assert version == 5
     assert [call[0] for call in calls] == [
         "wake_up",
         "before_weight_update",
@@ -188,9 +198,9 @@ def test_stranded_replacements_get_the_rollouts_weights_checked_then_admitted(
 def test_nothing_is_pushed_while_no_replacement_is_stranded(args, tmp_path):
     calls: list = []
     update = WeightUpdate(
-        FakeManager(args, tmp_path, calls, ["http://serving"]), FakeGroup("actor", calls), None
+        FakeManager(args, tmp_path, calls, ["http://serving"], version=4), FakeGroup("actor", calls), None
     )
-    assert update.update(5, stranded=True) == {} and calls == []
+    assert update.update(stranded=True) == (4, {}) and calls == []
 
 
 @pytest.mark.parametrize("path", ["sync", "stranded", "stranded, kept copy"])
@@ -199,10 +209,11 @@ def test_an_engine_off_the_pushed_weights_stops_the_update_and_is_not_admitted(a
     expected = ROLLOUT if path == "stranded, kept copy" else TRAINER
     good, bad = engines(expected, "other weights")
     stranded = [good, bad] if path != "sync" else None
-    manager = FakeManager(args, tmp_path, calls, [good, bad], stranded)
+    kept = path == "stranded, kept copy"
+    manager = FakeManager(args, tmp_path, calls, [good, bad], stranded, version=2 if kept else 1)
     update = WeightUpdate(manager, FakeGroup("actor", calls), None)
     with pytest.raises(RuntimeError, match=f"after weight sync 2 .*{re.escape(bad)}") as raised:
-        update.update(2, stranded is not None, rollout_weights=path == "stranded, kept copy")
+        update.update(stranded is not None, rollout_weights=kept, new_version=not kept)
     assert good not in str(raised.value)
     assert not [call for call in calls if call[0] == "set_weight_version"]
 
@@ -211,15 +222,16 @@ def test_no_check_without_the_flag(args, tmp_path, engines):
     args.check_weight_update_equal = False
     calls: list = []
     urls = engines("other weights")
-    metrics = WeightUpdate(FakeManager(args, tmp_path, calls, urls), FakeGroup("actor", calls), None).update(
-        1
-    )
+    _, metrics = WeightUpdate(
+        FakeManager(args, tmp_path, calls, urls), FakeGroup("actor", calls), None
+    ).update()
     assert "weight_sync/check_abs_diff" not in metrics and ("sequence_log_probs",) not in calls
 
 
 def test_a_sync_with_no_engine_up_pushes_nothing_and_admits_none(args, tmp_path):
     """Every engine died after the rollout and no replacement is up yet: they get the weights once stranded."""
     calls: list = []
-    metrics = WeightUpdate(FakeManager(args, tmp_path, calls, []), FakeGroup("actor", calls), None).update(6)
+    manager = FakeManager(args, tmp_path, calls, [], version=5)
+    _, metrics = WeightUpdate(manager, FakeGroup("actor", calls), None).update()
     assert "sync_weights" not in [call[0] for call in calls] and calls[-1] == ("set_weight_version", 6, [])
     assert metrics["weight_sync/engines"] == 0.0

@@ -1,126 +1,93 @@
 """What every training backend does the same way around its own forward/backward (DESIGN.md §6).
 
-:class:`TrainerBase` implements ``train``: it turns one rank's rollout partition into the per-sample tensors the
-policy (or value) loss needs
-(old, reference and rollout log-probs, advantages with the on-policy-distillation term and normalisation), and
-runs ``--num-steps-per-rollout`` optimizer steps over consecutive chunks. A backend sets ``args``, calls
-:meth:`TrainerBase._init_policy_models_and_hooks` and implements ``compute_log_probs``, ``_reduce_sum``
-and ``_train_step``; the FSDP2 and Megatron trainers both mix it in.
+:class:`TrainerBase` is the trainer's interface and owns what the backends share: ``train`` (one rank's rollout
+partition turned into the loss's per-sample inputs, :mod:`vime.backends.policy_inputs`, then
+``--num-steps-per-rollout`` optimizer steps over consecutive chunks), ``load`` and ``save``, the log-prob and value
+passes, micro-batching, offloading, the reference / teacher / old-actor models and slime's per-step hooks. Every
+reduction over the data-parallel ranks goes through ``self.dp`` (:class:`~vime.utils.distributed.DataParallel`).
+
+A backend's ``__init__`` sets ``args``, ``role``, ``dp``, ``device``, ``model`` (what its passes run), ``module`` (the
+trained module, named as the reference model), ``optimizer``, ``scheduler`` and ``step`` (and ``cp_size`` with
+context parallelism), calling :meth:`_start_memory_recording` first and :meth:`_init_policy_models_and_hooks` once
+the model exists; then it implements the primitives of :data:`PRIMITIVES` and overrides nothing else
+(``tests/unit/test_trainer_interface.py``). The FSDP2 and Megatron trainers are the two backends.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections import Counter
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from vime.backends.memory_check import check_memory_plan
+from vime.backends.micro_batches import loss_inputs, plan, token_budget
+from vime.backends.policy_inputs import PerSample, advantages_and_returns, policy_inputs
 from vime.backends.routing_plan import RoutingPlan, make_routing_plan, routing_pass
-from vime.utils.flops import sequence_flops
-from vime.utils.loss import make_reducer, policy_loss, sft_loss, takes_logits
+from vime.utils.checkpoint_layout import iteration_dir, latest_iteration
+from vime.utils.distributed import DataParallel
+from vime.utils.loss import policy_loss, sft_loss, takes_logits
 from vime.utils.memory_plan import MemoryPlan
 from vime.utils.misc import load_function
-from vime.utils.mismatch import STAT_KEYS, mismatch_metrics, mismatch_statistics
 from vime.utils.offload import GPUOffloader, copy_weights, local_shard, torch_optimizers
-from vime.utils.ppo_utils import apply_opd_kl
 from vime.utils.routing_replay import ReplayMode, RoutingReplay
-from vime.utils.train_data import (
-    PackedBatch,
-    balanced_partitions,
-    compute_advantages_and_returns,
-    dynamic_micro_batches,
-    fixed_micro_batches,
-    is_trainable,
-    loss_mask_of,
-    min_micro_batches,
-    normalize_advantages,
-    pack_samples,
-    postprocess_rollout_data,
-    slime_custom_advantages,
-)
+from vime.utils.train_data import PackedBatch, loss_mask_of, postprocess_rollout_data
 from vime.utils.train_debug import MemoryRecorder, ci_check_rollout, ci_check_step, save_train_data
 from vime.utils.types import Sample
 
-PerSample = list[torch.Tensor]
+__all__ = ["PRIMITIVES", "PerSample", "TrainerBase"]
 
-
-def rollout_log_probs_of(samples: list[Sample]) -> PerSample | None:
-    """The engine's log-probs of each sample's response tokens, or None when any sample has none."""
-    if any(s.rollout_log_probs is None for s in samples):
-        return None
-    for s in samples:
-        if len(s.rollout_log_probs) != s.response_length:
-            raise ValueError(
-                f"sample {s.index}: len(rollout_log_probs)={len(s.rollout_log_probs)} != "
-                f"response_length={s.response_length}"
-            )
-    return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
-
-
-def sampler_heads_of(samples: list[Sample], top_k: int) -> dict[str, PerSample]:
-    """The sampler's top-k head per response token (``--use-score-centering``): ``rollout_topk_token_ids`` (int64)
-    and ``rollout_topk_log_probs`` (fp32), each ``[response_length, top_k]`` per sample (slime's fields)."""
-    heads: dict[str, PerSample] = {"rollout_topk_token_ids": [], "rollout_topk_log_probs": []}
-    for s in samples:
-        for key, dtype in (
-            ("rollout_topk_token_ids", torch.int64),
-            ("rollout_topk_log_probs", torch.float32),
-        ):
-            value = getattr(s, key)
-            if value is None:
-                raise ValueError(
-                    f"--use-score-centering: sample {s.index} carries no {key}; the rollout must record the "
-                    f"sampler's top-{top_k} tokens and log-probs of every response token"
-                )
-            head = torch.as_tensor(value, dtype=dtype)
-            if head.shape != (s.response_length, top_k):
-                raise ValueError(
-                    f"--use-score-centering: sample {s.index} has {key} of shape {tuple(head.shape)}, expected "
-                    f"({s.response_length}, {top_k}) (response tokens, --score-centering-top-k)"
-                )
-            heads[key].append(head)
-    return heads
-
-
-def teacher_log_probs_of(samples: list[Sample], log_probs: PerSample) -> PerSample:
-    """The teacher's log-probs each sample carries (``--opd-type vllm``: set during the rollout by
-    :mod:`vime.rollout.on_policy_distillation`). A sample that does not train (FAILED, e.g. its teacher call failed,
-    or ``remove_sample``) may have none: it gets the student's own (a zero OPD term)."""
-    teacher = []
-    for s, student in zip(samples, log_probs, strict=True):
-        if s.teacher_log_probs is None:
-            if is_trainable(s):
-                raise ValueError(
-                    f"sample {s.index} has no teacher_log_probs, which --use-opd --opd-type vllm needs: reward with "
-                    "--custom-rm-path vime.rollout.on_policy_distillation.reward_func --rm-url TEACHER_URL (or set "
-                    "sample.teacher_log_probs in your own reward or generate function)"
-                )
-            teacher.append(student.detach().cpu().float())
-            continue
-        if len(s.teacher_log_probs) != s.response_length:
-            raise ValueError(
-                f"sample {s.index}: len(teacher_log_probs)={len(s.teacher_log_probs)} != "
-                f"response_length={s.response_length}"
-            )
-        teacher.append(torch.tensor(s.teacher_log_probs, dtype=torch.float32))
-    return teacher
-
-
-def trajectory_key(sample: Sample) -> tuple[str, int | None]:
-    """The trajectory a sample belongs to: its ``rollout_id`` when a plug-in set one (slime's meaning), else itself."""
-    return ("trajectory", sample.rollout_id) if sample.rollout_id is not None else ("sample", sample.index)
+# What a backend implements (the base raises NotImplementedError, except the defaults noted there); a backend
+# overrides nothing else.
+PRIMITIVES = frozenset(
+    {
+        "_forward",
+        "_train_step",
+        "_memory_probe",
+        "_probe_gradient_bytes",
+        "_gpu_state",
+        "_load_checkpoint",
+        "_load_weights",
+        "_save_checkpoint",
+        "export_hf",
+        "iter_weight_buckets",
+    }
+)
 
 
 class TrainerBase:
     """Backend-neutral training; see the module docstring. ``role`` is ``"actor"`` or ``"critic"``."""
 
     role = "actor"
+    cp_size = 1  # context-parallel ranks sharing each micro-batch's row (Megatron's --context-parallel-size)
     routing: RoutingPlan | None = None  # routing replay of the actor's MoE routers (_init_routing_replay)
+    dp: DataParallel
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def learning_rate(self) -> float:
+        """``--lr``, or ``--critic-lr`` for the critic when set."""
+        critic_lr = self.args.critic_lr if self.role == "critic" else None
+        return self.args.lr if critic_lr is None else critic_lr
+
+    def _seed(self) -> None:
+        """``--seed`` for torch, ``random`` and numpy, the same on every rank (a critic's new value head must start
+        identical everywhere)."""
+        torch.manual_seed(self.args.seed)
+        random.seed(self.args.seed)
+        np.random.seed(self.args.seed)
 
     def train(
         self,
@@ -144,12 +111,12 @@ class TrainerBase:
         try:
             if self.role == "critic":
                 values = values if values is not None else self.compute_values(samples)
-                _, returns = self._advantages_and_returns(
-                    samples, rewards, masks, log_probs, ref_log_probs, values
+                _, returns = advantages_and_returns(
+                    self, samples, rewards, masks, log_probs, ref_log_probs, values
                 )
                 data = {"old_values": values, "returns": returns}
             else:
-                data, extra = self._policy_data(samples, rewards, masks, values, log_probs, ref_log_probs)
+                data, extra = policy_inputs(self, samples, rewards, masks, values, log_probs, ref_log_probs)
                 if self.postprocess_fn is not None:
                     masks = postprocess_rollout_data(
                         self.postprocess_fn, self.args, rollout_id, samples, rewards, masks, data, values
@@ -160,7 +127,7 @@ class TrainerBase:
             if self.routing is not None:  # the recorded routing belongs to this step only
                 self.routing.clear()
         metrics.update(extra)
-        if self.role == "actor" and self.args.save_debug_train_data and self._is_data_parallel_leader():
+        if self.role == "actor" and self.args.save_debug_train_data and self.dp.is_leader:
             entropy = data.pop("rollout_entropy", None)
             save_train_data(self.args.save_debug_train_data, rollout_id, self.dp_rank, {
                 "sample_indices": [s.index for s in samples], "tokens": [torch.tensor(s.tokens) for s in samples],
@@ -169,7 +136,7 @@ class TrainerBase:
             })  # fmt: skip
         if self.memory_recorder is not None:
             self.memory_recorder.after_rollout(rollout_id)
-        interval = getattr(self.args, "ref_update_interval", None)
+        interval = self.args.ref_update_interval
         if (
             self.role == "actor"
             and self.ref_model is not None
@@ -179,13 +146,9 @@ class TrainerBase:
             self._update_ref_model()
         return metrics
 
-    def _trained_module(self) -> torch.nn.Module:
-        """The policy's module whose parameter names match the reference model's."""
-        raise NotImplementedError
-
     def _update_ref_model(self) -> None:
         """``--ref-update-interval`` (slime): the reference model takes the policy's current weights."""
-        copy_weights(self.ref_model, self._trained_module().named_parameters())
+        copy_weights(self.ref_model, self.module.named_parameters())
 
     def after_weight_sync(self) -> None:
         """``--keep-old-actor`` (slime): the old actor takes the weights the engines generated the coming rollout
@@ -193,7 +156,7 @@ class TrainerBase:
         sync) those are the previous sync's: kept on the host from one sync to the next; otherwise the current."""
         if self.old_actor_model is None:
             return
-        current = self._trained_module().named_parameters()
+        current = self.module.named_parameters()
         if self.args.update_weights_interval != 1:
             copy_weights(self.old_actor_model, current)
             return
@@ -216,7 +179,7 @@ class TrainerBase:
             if self.args.update_weights_interval == 1
             else self.old_actor_model.named_parameters()
         )
-        module = self._trained_module()
+        module = self.module
         trained = {
             name: local_shard(param).detach().to("cpu", copy=True)
             for name, param in module.named_parameters()
@@ -233,16 +196,15 @@ class TrainerBase:
         """Set ``ref_model`` (``--use-kl-loss`` or ``--kl-coef``), ``teacher_model`` (``--opd-type trainer``) via
         ``build_frozen(path, step)`` (``--ref-ckpt-step`` / ``--opd-teacher-ckpt-step``: a checkpoint iteration, else the
         latest), and ``loss_fn`` / ``advantage_fn`` from ``--custom-loss-function-path`` /
-        ``--custom-advantage-function-path``."""
+        ``--custom-advantage-function-path``, and the hooks of ``--custom-megatron-before-log-prob-hook-path`` /
+        ``--custom-megatron-before-train-step-hook-path``."""
         args = self.args
         wants_ref = is_actor and (args.use_kl_loss or args.kl_coef != 0)
-        ref_step = getattr(args, "ref_ckpt_step", None) if args.ref_load else None
+        ref_step = args.ref_ckpt_step if args.ref_load else None
         self.ref_model = build_frozen(args.ref_load or args.hf_checkpoint, ref_step) if wants_ref else None
         self.teacher_model = None
         if is_actor and args.use_opd and args.opd_type == "trainer":
-            self.teacher_model = build_frozen(
-                args.opd_teacher_load, getattr(args, "opd_teacher_ckpt_step", None)
-            )
+            self.teacher_model = build_frozen(args.opd_teacher_load, args.opd_teacher_ckpt_step)
         self.old_actor_model = (
             build_frozen(args.hf_checkpoint, None) if is_actor and args.keep_old_actor else None
         )
@@ -252,9 +214,9 @@ class TrainerBase:
             if args.rollout_data_postprocess_path
             else None
         )
-        if args.save_debug_train_data and "{rank}" not in args.save_debug_train_data and self.dp_size > 1:
+        if args.save_debug_train_data and "{rank}" not in args.save_debug_train_data and self.dp.size > 1:
             raise ValueError(
-                f"--save-debug-train-data {args.save_debug_train_data}: {self.dp_size} data-parallel ranks each write "
+                f"--save-debug-train-data {args.save_debug_train_data}: {self.dp.size} data-parallel ranks each write "
                 "their own file; put {rank} in the path"
             )
         self.loss_fn: Callable = sft_loss if args.loss_type == "sft_loss" else policy_loss
@@ -267,12 +229,23 @@ class TrainerBase:
             self.advantage_fn = load_function(
                 args.custom_advantage_function_path, "--custom-advantage-function-path"
             )
+        # slime's per-pass and per-step hooks (Megatron flags: refused with the fsdp backend at parse time)
+        self.before_log_prob_hook = self.before_train_step_hook = None
+        if args.custom_megatron_before_log_prob_hook_path:
+            self.before_log_prob_hook = load_function(
+                args.custom_megatron_before_log_prob_hook_path, "--custom-megatron-before-log-prob-hook-path"
+            )
+        if args.custom_megatron_before_train_step_hook_path:
+            self.before_train_step_hook = load_function(
+                args.custom_megatron_before_train_step_hook_path,
+                "--custom-megatron-before-train-step-hook-path",
+            )
 
     def _init_routing_replay(
         self, num_layers: int, topk: int, num_experts: int | None, attach: Callable[[Any, RoutingReplay], Any]
     ) -> None:
         """``--use-routing-replay`` / ``--use-rollout-routing-replay``: ``self.routing`` (see :func:`make_routing_plan`)."""
-        models = (self._trained_module(), self.ref_model)
+        models = (self.module, self.ref_model)
         self.routing = make_routing_plan(self.args, self.role, models, num_layers, topk, num_experts, attach)
 
     def _pass_routing(self, model: str, samples: list[Sample]) -> tuple[ReplayMode, list | None]:
@@ -295,10 +268,6 @@ class TrainerBase:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self.memory_recorder = MemoryRecorder(self.args, self.role, rank)
             self.memory_recorder.start()
-
-    def _is_data_parallel_leader(self) -> bool:
-        """Whether this rank speaks for its data-parallel rank (its model-parallel peers hold the same data)."""
-        return True
 
     def _entropy_needs_grad(self) -> bool:
         """Whether the loss differentiates the entropy: ``--entropy-coef``, or a custom loss (it may)."""
@@ -323,16 +292,6 @@ class TrainerBase:
         planned micro-batch cannot fit (:func:`vime.backends.memory_check.check_memory_plan`). Collective."""
         return check_memory_plan(self)
 
-    def _memory_probe(self, samples: list[Sample]) -> None:
-        """One forward/backward of ``samples`` packed into one micro-batch, with every gradient resident as in a
-        step's later micro-batches; gradients then cleared (no step)."""
-        raise NotImplementedError
-
-    def _probe_gradient_bytes(self) -> int:
-        """Bytes of gradients :meth:`_memory_probe` allocates that a step keeps resident (none where a gradient
-        buffer exists from the start, as Megatron's)."""
-        return 0
-
     def offload(self) -> dict[str, float]:
         """``--offload-train``: free the GPU memory of the weights (policy, reference, teacher), gradients and
         optimizer state while the engines generate; :meth:`onload` brings them back. Returns the GiB freed and the
@@ -346,10 +305,6 @@ class TrainerBase:
         if not getattr(self, "_offloader", None) or not self._offloader.offloaded:
             return {}
         return self._offloader.onload()
-
-    def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(tensors to keep, tensors whose contents can be dropped) that make up the training state on the GPU."""
-        raise NotImplementedError
 
     def compute_log_probs(self, samples: list[Sample], model: str = "actor") -> PerSample:
         """Response-token log-probs of this rank's samples under the policy (or ``"ref"`` / ``"teacher"`` /
@@ -368,7 +323,8 @@ class TrainerBase:
         }
         if self.role != "actor" or nets.get(model) is None:
             raise ValueError(f"the {self.role} trainer has no {model!r} model")
-        self._before_log_probs(nets[model], samples, model)
+        if self.before_log_prob_hook is not None:
+            self.before_log_prob_hook(self.args, nets[model], samples, model)
         return self._forward(nets[model], samples, model, with_entropy)
 
     def compute_values(self, samples: list[Sample]) -> PerSample:
@@ -376,6 +332,71 @@ class TrainerBase:
         if self.role != "critic":
             raise ValueError("compute_values needs the critic trainer (role='critic')")
         return self._forward(self.model, samples, "critic")[0]
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def load(self) -> int | None:
+        """Resume from ``--load`` (``--critic-load`` for the critic) at ``--ckpt-step``, else the iteration in
+        ``latest_checkpointed_iteration.txt``: weights, optimizer (unless ``--no-load-optim``), LR scheduler, RNG
+        (unless ``--no-load-rng``) and step. Returns the saved rollout id. ``--finetune`` loads the weights only and
+        returns None; so does a fresh start, where the actor takes ``--ref-load``'s weights when they are not
+        ``--hf-checkpoint``'s."""
+        args = self.args
+        flag, load_dir = (
+            ("--critic-load", args.critic_load) if self.role == "critic" else ("--load", args.load)
+        )
+        step = args.ckpt_step if args.ckpt_step is not None else latest_iteration(load_dir)
+        if load_dir and step is not None:
+            if not (iter_dir := iteration_dir(load_dir, step)).is_dir():
+                raise FileNotFoundError(
+                    f"no checkpoint {iter_dir} ({flag} {load_dir}, --ckpt-step {args.ckpt_step})"
+                )
+            if args.finetune:
+                self._load_weights(load_dir, step)
+                return None
+            optimizer = None if args.no_load_optim else self.optimizer
+            state = self._load_checkpoint(load_dir, step, optimizer, not args.no_load_rng)
+            self.step = state["step"]
+            if args.reset_optimizer_states:
+                self._reset_optimizer_steps()
+            return state["rollout_id"]
+        if (
+            self.role == "actor"
+            and args.ref_load
+            and Path(args.ref_load).resolve() != Path(args.hf_checkpoint).resolve()
+        ):
+            self._load_weights(args.ref_load, None)
+        return None
+
+    def save(self, rollout_id: int, save_dir: str) -> None:
+        """Write ``save_dir/iter_{rollout_id:07d}`` (optimizer state unless ``--no-save-optim``) and then point
+        ``latest_checkpointed_iteration.txt`` at it. Collective."""
+        self._save_checkpoint(save_dir, rollout_id, None if self.args.no_save_optim else self.optimizer)
+
+    # ------------------------------------------------------------------------------------- the primitives
+    def _load_checkpoint(self, load_dir: str, step: int, optimizer: Any | None, load_rng: bool) -> dict:
+        """Restore the weights, ``optimizer`` when given, the LR scheduler and (``load_rng``) this rank's RNG from
+        ``load_dir``'s iteration ``step``; its saved state (``rollout_id``, ``step``). Collective."""
+        raise NotImplementedError
+
+    def _load_weights(self, path: str, step: int | None) -> None:
+        """The trained module's weights only (and nothing of the optimizer's but its copy of them), from a vime
+        checkpoint directory (its iteration ``step``, default the latest) or a Hugging Face directory. Collective."""
+        raise NotImplementedError
+
+    def _save_checkpoint(self, save_dir: str, rollout_id: int, optimizer: Any | None) -> None:
+        """Write iteration ``rollout_id`` (weights, ``optimizer`` when given, scheduler, RNG, step) and mark it the
+        latest. Collective."""
+        raise NotImplementedError
+
+    def export_hf(self, out_dir: str) -> None:
+        """Save a Hugging Face directory: the weights in the training dtype, and ``--hf-checkpoint``'s config and
+        tokenizer. Collective."""
+        raise NotImplementedError
+
+    def iter_weight_buckets(self, buffer_bytes: int, stack_experts: bool = False) -> Iterator[Any]:
+        """HF-named full weights in buckets of at most ``buffer_bytes`` (``vime.utils.weight_buckets``); with
+        ``stack_experts`` routed experts stay stacked per layer (``vime.utils.stacked_experts``). Collective."""
+        raise NotImplementedError
 
     def _forward(
         self, net: Any, samples: list[Sample], model: str, with_entropy: bool = False
@@ -385,270 +406,44 @@ class TrainerBase:
         record as the routing plan says."""
         raise NotImplementedError
 
-    def _before_log_probs(self, net: Any, samples: list[Sample], model: str) -> None:
-        """Called before a log-prob pass (the Megatron backend runs slime's before-log-prob hook here)."""
-
-    def _reduce_sum(self, values: list[float]) -> list[float]:
-        """Sum over the data-parallel ranks (each holds different samples)."""
-        raise NotImplementedError
-
     def _train_step(self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]) -> dict:
-        """One optimizer step over ``samples``; metrics are global values."""
+        """One optimizer step over ``samples`` (micro-batches from :meth:`_micro_batch_inputs`); metrics are global
+        values (summed over ``self.dp``), with ``grad_norm``, ``lr``, ``step_time_s`` and ``tokens_per_s``."""
         raise NotImplementedError
 
-    def _reduce_max(self, values: list[int]) -> list[int]:
-        """Element-wise maximum over the data-parallel ranks."""
+    def _memory_probe(self, samples: list[Sample]) -> None:
+        """One forward/backward of ``samples`` packed into one micro-batch, with every gradient resident as in a
+        step's later micro-batches; gradients then cleared (no step)."""
         raise NotImplementedError
 
-    def _reduce_float_max(self, values: list[float]) -> list[float]:
-        """Element-wise maximum of floats over the data-parallel ranks."""
+    def _probe_gradient_bytes(self) -> int:
+        """Bytes of gradients :meth:`_memory_probe` allocates that a step keeps resident (none where a gradient
+        buffer exists from the start, as Megatron's)."""
+        return 0
+
+    def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(tensors to keep, tensors whose contents can be dropped) that make up the training state on the GPU."""
         raise NotImplementedError
 
+    # ---------------------------------------------------------------------------------------------- training
     def _micro_batch_token_budget(self, forward_only: bool = False) -> int | None:
-        """Tokens a packed micro-batch may hold (``--max-tokens-per-gpu``, ``--log-probs-max-tokens-per-gpu`` for
-        forward-only passes: one GPU holds the whole row)."""
-        args = self.args
-        return (
-            (args.log_probs_max_tokens_per_gpu or args.max_tokens_per_gpu)
-            if forward_only
-            else args.max_tokens_per_gpu
-        )
+        """See :func:`~vime.backends.micro_batches.token_budget`."""
+        return token_budget(self.args, self.cp_size, forward_only)
 
     def _micro_batches(self, samples: list[Sample], forward_only: bool = False) -> list[list[int]]:
-        """Sample indices of each micro-batch (``--micro-batch-size``, or packed up to ``--max-tokens-per-gpu``
-        with ``--use-dynamic-batch-size``; by estimated FLOPs with ``--balance-by-flops``). Every data-parallel
-        rank gets the same number of micro-batches (collectives run per forward/backward), so ranks must hold
-        equally many samples."""
-        args = self.args
-        lengths = [len(s.tokens) for s in samples]
-        budget = self._micro_batch_token_budget(forward_only)
-        needed = 0
-        if args.use_dynamic_batch_size:
-            needed = (
-                min(len(samples), -(-sum(lengths) // budget))  # slime: the tokens' share of the budget
-                if args.balance_by_flops
-                else min_micro_batches(lengths, budget)
-            )
-        most, minus_fewest, num_micro_batches = self._reduce_max([len(samples), -len(samples), needed])
-        if most != -minus_fewest:
-            raise ValueError(
-                f"data-parallel ranks hold between {-minus_fewest} and {most} samples; split rollouts with "
-                "vime.utils.train_data.split_rollout so every rank gets the same number"
-            )
-        if args.use_dynamic_batch_size and args.balance_by_flops:  # may exceed the token budget (slime)
-            flops = sequence_flops(lengths, args.hf_checkpoint)
-            return sorted(balanced_partitions(flops, max(num_micro_batches, 1), equal_size=False))
-        if args.use_dynamic_batch_size:
-            return dynamic_micro_batches(lengths, budget, num_micro_batches)
-        return fixed_micro_batches(len(samples), args.micro_batch_size)
+        """Sample indices of each micro-batch of this rank's ``samples`` (:func:`~vime.backends.micro_batches.plan`)."""
+        return plan(self.args, samples, self._micro_batch_token_budget(forward_only), self.dp)
 
     def _micro_batch_inputs(
         self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None], device: torch.device
     ) -> tuple[list[tuple[list[int], PackedBatch, dict[str, Any]]], float]:
-        """For one optimizer step: each micro-batch's sample indices, packed tokens (with the experts to replay, under
-        routing replay) and loss inputs (``batch`` of :func:`~vime.utils.loss.policy_loss`, with a ``reduce``
-        normalised by the global sample and token counts), and the step's total token count over all data-parallel
-        ranks."""
-        args = self.args
-        num_samples, num_tokens, total_tokens, in_trajectories = self._reduce_sum(
-            [
-                len(samples),
-                float(sum(m.sum() for m in masks)),
-                sum(len(s.tokens) for s in samples),
-                sum(s.rollout_id is not None for s in samples),
-            ]
-        )
-        denominators = None
-        if in_trajectories:
-            num_samples, denominators = self._trajectory_denominators(samples, masks)
+        """One optimizer step's micro-batches and loss inputs on ``device``
+        (:func:`~vime.backends.micro_batches.loss_inputs`)."""
         routes = self.routing.for_training(samples) if self.routing is not None else None
-        inputs = []
-        for mb in self._micro_batches(samples):
-            packed = pack_samples([samples[i] for i in mb], [routes[i] for i in mb] if routes else None)
-            mask = torch.cat([masks[i] for i in mb]).to(device)
-            batch: dict[str, Any] = {
-                "response_lengths": packed.response_lengths,
-                "total_lengths": packed.total_lengths,
-                "loss_mask": mask,
-                "reduce": make_reducer(
-                    mask,
-                    packed.response_lengths,
-                    args.calculate_per_token_loss,
-                    int(num_samples),
-                    int(num_tokens),
-                    None
-                    if denominators is None
-                    else torch.tensor([denominators[i] for i in mb], device=device),
-                ),
-            }
-            for key, per_sample in data.items():
-                batch[key] = (
-                    torch.cat([per_sample[i] for i in mb]).to(device) if per_sample is not None else None
-                )
-            if self.loss_takes_logits:  # slime's custom losses read the samples' tokens
-                batch["unconcat_tokens"] = [torch.tensor(samples[i].tokens) for i in mb]
-            inputs.append((mb, packed, batch))
-        return inputs, total_tokens
-
-    def _trajectory_denominators(self, samples: list[Sample], masks: PerSample) -> tuple[int, list[float]]:
-        """slime's loss over trajectories: the samples sharing a ``rollout_id`` (one trajectory split into several
-        samples, e.g. the turns or agents of one episode) form one token-weighted mean, and the optimizer step
-        averages over trajectories. Returns the number of trajectories in the step over all data-parallel ranks and
-        each sample's denominator: its trajectory's loss-masked tokens (a sample without ``rollout_id`` is its own
-        trajectory)."""
-        local: Counter = Counter()
-        for sample, mask in zip(samples, masks, strict=True):
-            local[trajectory_key(sample)] += float(mask.sum())
-        group = self._data_parallel_group()
-        gathered: list[Counter | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, local, group=group)
-        totals: Counter = Counter()
-        for part in gathered:
-            totals.update(part)
-        return len(totals), [totals[trajectory_key(s)] for s in samples]
-
-    def _before_train_step(self, rollout_id: int, step: int) -> None:
-        """Called before each optimizer step (the Megatron backend runs a user hook here)."""
-
-    def _data_parallel_group(self) -> dist.ProcessGroup | None:
-        """The ranks holding different samples (None: all ranks)."""
-        return None
-
-    def _advantages_and_returns(
-        self,
-        samples: list[Sample],
-        rewards: list[float],
-        masks: PerSample,
-        log_probs: PerSample | None,
-        ref_log_probs: PerSample | None,
-        values: PerSample | None,
-    ) -> tuple[PerSample, PerSample]:
-        """``--custom-advantage-function-path`` or the estimator of ``--advantage-estimator``. A custom function
-        with slime's contract ``fn(args, rollout_data)`` sets both; with vime's, ``fn(args, samples, rewards,
-        log_probs, ref_log_probs, values) -> advantages``, the returns are ``advantages + values`` (what the critic
-        regresses to)."""
-        log_probs, ref_log_probs, values = (
-            [t.cpu() for t in ts] if ts is not None else None for ts in (log_probs, ref_log_probs, values)
-        )
-        if self.advantage_fn is None:
-            return compute_advantages_and_returns(self.args, rewards, masks, log_probs, ref_log_probs, values)
-        if len(inspect.signature(self.advantage_fn).parameters) == 2:
-            return slime_custom_advantages(
-                self.advantage_fn, self.args, samples, rewards, masks, log_probs, ref_log_probs, values
-            )
-        advantages = self.advantage_fn(self.args, samples, rewards, log_probs, ref_log_probs, values)
-        returns = (
-            [a + v for a, v in zip(advantages, values, strict=True)] if values is not None else advantages
-        )
-        return advantages, returns
-
-    def _policy_data(
-        self,
-        samples: list[Sample],
-        rewards: list[float],
-        masks: PerSample,
-        values: PerSample | None,
-        log_probs: PerSample | None,
-        ref_log_probs: PerSample | None,
-    ) -> tuple[dict[str, PerSample | None], dict[str, float]]:
-        """The policy loss's per-sample inputs, and the train-vs-rollout log-prob difference as a metric."""
-        args = self.args
-        if (
-            self.loss_fn is sft_loss
-        ):  # the negative log-likelihood needs no old policy, reference or advantages
-            return dict.fromkeys(["advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs"]), {}
-        rollout_log_probs = rollout_log_probs_of(samples)
-        if log_probs is None and args.use_rollout_logprobs:
-            if rollout_log_probs is None:
-                raise ValueError("--use-rollout-logprobs but some samples carry no rollout_log_probs")
-            log_probs = rollout_log_probs
-        old_policy = self.old_policy
-        entropy = None
-        if args.use_rollout_entropy:  # slime: the old policy's entropy, for loss-mask post-processing
-            computed, entropy = self.compute_log_probs_and_entropy(samples, old_policy)
-            log_probs = computed if log_probs is None else log_probs
-        if log_probs is None:
-            log_probs = self.compute_log_probs(samples, old_policy)
-        if ref_log_probs is None and self.ref_model is not None:
-            ref_log_probs = self.compute_log_probs(samples, "ref")
-        if args.compute_advantages_and_returns:
-            advantages, _ = self._advantages_and_returns(
-                samples, rewards, masks, log_probs, ref_log_probs, values
-            )
-        else:  # --disable-compute-advantages-and-returns: for losses that do not use them
-            advantages = [torch.zeros_like(m) for m in masks]
-        metrics = {}
-        if args.use_opd:
-            teacher = (
-                self.compute_log_probs(samples, "teacher")
-                if self.teacher_model is not None
-                else teacher_log_probs_of(samples, log_probs)
-            )
-            advantages = [
-                apply_opd_kl(a, lp.to(a.device), t.to(a.device), args.opd_kl_coef)
-                for a, lp, t in zip(advantages, log_probs, teacher, strict=True)
-            ]
-            metrics["opd_reverse_kl"] = self._masked_mean(
-                [lp.cpu() - t.cpu() for lp, t in zip(log_probs, teacher, strict=True)], masks
-            )
-        if args.normalize_advantages:
-            advantages = normalize_advantages(
-                [a.cpu() for a in advantages], masks, self._data_parallel_group()
-            )
-        data = {
-            "advantages": advantages,
-            "old_log_probs": log_probs,
-            "ref_log_probs": ref_log_probs,
-            "rollout_log_probs": rollout_log_probs,
-        }
-        if args.use_score_centering:
-            data |= sampler_heads_of(samples, args.score_centering_top_k)
-        if entropy is not None:
-            data["rollout_entropy"] = entropy
-            metrics["rollout_entropy"] = self._masked_mean(entropy, masks)
-        if rollout_log_probs is not None:
-            metrics["train_rollout_logprob_abs_diff"] = self._masked_mean(
-                [(x.cpu() - y.cpu()).abs() for x, y in zip(log_probs, rollout_log_probs, strict=True)], masks
-            )
-            if args.log_logprob_diff_without_replay and self.routing is not None and self.routing.rollout:
-                own = self._log_probs_own_routing(samples, old_policy)
-                metrics["train_rollout_logprob_abs_diff_without_replay"] = self._masked_mean(
-                    [(x.cpu() - y.cpu()).abs() for x, y in zip(own, rollout_log_probs, strict=True)], masks
-                )
-        if args.get_mismatch_metrics:
-            if rollout_log_probs is None:
-                raise ValueError("--get-mismatch-metrics needs the engine's log-probs (rollout_log_probs)")
-            trainer_log_probs = self.compute_log_probs(samples) if args.use_rollout_logprobs else log_probs
-            metrics |= self._mismatch_metrics(trainer_log_probs, rollout_log_probs, masks)
-        return data, metrics
-
-    def _log_probs_own_routing(self, samples: list[Sample], model: str) -> PerSample:
-        """:meth:`compute_log_probs` of ``model`` with every MoE router on its own choice, even under R3."""
-        plan, self.routing = self.routing, None
-        try:
-            return self.compute_log_probs(samples, model)
-        finally:
-            self.routing = plan
-
-    def _mismatch_metrics(self, train: PerSample, rollout: PerSample, masks: PerSample) -> dict[str, float]:
-        """``--get-mismatch-metrics``: :func:`~vime.utils.mismatch.mismatch_metrics` over all ranks' tokens."""
-        band = (self.args.tis_clip_low, self.args.tis_clip)
-        sums, maxima = mismatch_statistics([t.cpu() for t in train], [t.cpu() for t in rollout], masks, band)
-        totals = dict(zip(STAT_KEYS, self._reduce_sum([sums[k] for k in STAT_KEYS]), strict=True))
-        names = sorted(maxima)
-        extremes = dict(zip(names, self._reduce_float_max([maxima[k] for k in names]), strict=True))
-        return mismatch_metrics(totals, extremes)
-
-    def _masked_mean(self, values: PerSample, masks: PerSample) -> float:
-        """Mean of ``values`` over the loss-masked tokens of all ranks (tool-output tokens have no rollout
-        log-prob)."""
-        total, count = self._reduce_sum(
-            [
-                sum(float((v.cpu() * m).sum()) for v, m in zip(values, masks, strict=True)),
-                float(sum(m.sum() for m in masks)),
-            ]
-        )
-        return total / max(count, 1.0)
+        return loss_inputs(
+            self.args, samples, masks, data, self._micro_batches(samples), routes, self.dp, device,
+            with_tokens=self.loss_takes_logits,
+        )  # fmt: skip
 
     def _optimize(
         self, rollout_id: int, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]
@@ -663,7 +458,10 @@ class TrainerBase:
         per_step = []
         for step in range(steps):
             chunk = slice(step * size, (step + 1) * size)
-            self._before_train_step(rollout_id, step)
+            if self.before_train_step_hook is not None:
+                self.before_train_step_hook(
+                    self.args, rollout_id, step, self.model, self.optimizer, self.scheduler
+                )
             step_data = {k: v[chunk] if v is not None else None for k, v in data.items()}
             per_step.append(self._train_step(samples[chunk], masks[chunk], step_data))
             if self.args.use_stateless_adam:  # slime: Adam's moments start at zero again every step

@@ -15,8 +15,8 @@ from ray._private import ray_constants
 from vime.backends.vllm_utils import control_auth
 from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
 from vime.ray.placement_group import bundle_slots, create_placement_groups, num_bundles
+from vime.ray.rollout import create_rollout_manager
 from vime.ray.rollout_batch import RolloutBatch
-from vime.ray.rollout_manager import create_rollout_manager
 from vime.ray.train_group import RayTrainGroup
 from vime.utils.arg_validation import check_run_paths
 from vime.utils.reaper import start_reaper
@@ -72,7 +72,7 @@ class Run:
     tracker: Tracker
     log_dir: Path
     start_rollout_id: int
-    weight_version: int = 0
+    num_rollout: int  # --num-rollout, or --num-epoch passes over the prompts
     trained_since_sync: bool = False  # the actor's weights are ahead of the engines' version (train_async.py)
 
     @property
@@ -89,8 +89,9 @@ class Run:
         ``sync_before_train``: the loop pushes new weights between generating this rollout and training on it
         (train_async.py), so it trains on one weight version more than the engines serve now."""
         dp_sizes = tuple(group.dp_size for group in (self.actor, self.critic) if group is not None)
-        train_version = self.weight_version + int(sync_before_train and self.syncs_weights)
-        return self.manager.generate_batch.remote(rollout_id, dp_sizes, train_version)
+        return self.manager.generate_batch.remote(
+            rollout_id, dp_sizes, sync_before_train and self.syncs_weights
+        )
 
     def wait_rollout(self, rollout: ray.ObjectRef) -> RolloutBatch:
         """Wait for a rollout from :meth:`generate`. With ``--use-fault-tolerance``, meanwhile: once no engine is
@@ -108,12 +109,15 @@ class Run:
         """Push the rollout's weights to the stranded replacements, if any (the same call as a sync: checked, then
         admitted)."""
         kept = self.trained_since_sync and self.args.keep_old_actor
-        version = self.weight_version + int(self.trained_since_sync and not kept)
-        if ray.get(self.manager.update_weights.remote(version, stranded=True, rollout_weights=kept)):
+        new_version = self.trained_since_sync and not kept
+        version, metrics = ray.get(
+            self.manager.update_weights.remote(stranded=True, rollout_weights=kept, new_version=new_version)
+        )
+        if metrics:
             print(
                 f"[vime] no engine was left to serve the rollout: the replacements got weight version {version}"
             )
-            self.weight_version, self.trained_since_sync = version, kept
+            self.trained_since_sync = kept
 
     def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """Train the critic (ppo) and, after ``--num-critic-only-steps``, the actor on one rollout."""
@@ -168,7 +172,7 @@ class Run:
 
     def should_save(self, rollout_id: int) -> bool:
         args = self.args
-        is_last = rollout_id + 1 == args.num_rollout
+        is_last = rollout_id + 1 == self.num_rollout
         return bool(args.save or args.save_hf) and (
             is_last or bool(args.save_interval and (rollout_id + 1) % args.save_interval == 0)
         )
@@ -189,9 +193,8 @@ class Run:
         which runs the sync (:mod:`vime.ray.weight_update`)."""
         if not self.syncs_weights:
             return {}
-        self.weight_version += 1
         self.trained_since_sync = False
-        return ray.get(self.manager.update_weights.remote(self.weight_version))
+        return ray.get(self.manager.update_weights.remote())[1]
 
     def close(self) -> None:
         """Stop engines and router, close the tracker, leave Ray (its actors go with it)."""
@@ -259,15 +262,14 @@ def start_run(args: argparse.Namespace) -> Run:
         if last is not None:
             ray.get(manager.load.remote(last, args.load))
             _print_elapsed(f"checkpoint of rollout {last} loaded", started)
-        args.num_rollout = args.num_rollout or args.num_epoch * ray.get(
-            manager.num_rollout_per_epoch.remote()
-        )
+        num_rollout = args.num_rollout or args.num_epoch * ray.get(manager.num_rollout_per_epoch.remote())
         start = (
             args.start_rollout_id if args.start_rollout_id is not None else 0 if last is None else last + 1
         )
         if actor is not None:
             ray.get(manager.attach_trainers.remote(actor, critic))
-        run = Run(args, manager, actor, critic, Tracker(args, log_dir), log_dir, start)
+        tracker = Tracker(args, log_dir, num_rollout)
+        run = Run(args, manager, actor, critic, tracker, log_dir, start, num_rollout)
         run.sync_weights()
         _print_elapsed("first weight sync done", started)
         return run

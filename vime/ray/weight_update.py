@@ -33,8 +33,12 @@ class WeightUpdate:
         self.args = manager.args
         self.sync_dir = self.args.update_weight_dir or str(manager.log_dir / "weight_sync")
 
-    def update(self, version: int, stranded: bool = False, rollout_weights: bool = False) -> dict[str, float]:
-        """Make the engines serve weight ``version`` and return the sync's metrics.
+    def update(
+        self, stranded: bool = False, rollout_weights: bool = False, new_version: bool = True
+    ) -> tuple[int, dict[str, float]]:
+        """Push weights to the engines; the weight version they serve then, and the sync's metrics. The version is
+        the run context's: one more than the engines' with ``new_version`` (the actor's weights, trained since), else
+        theirs (``stranded`` replacements get what the other engines served).
 
         By default every live engine gets the actor's weights, between loop steps: wake the engines' weights
         (``--offload-rollout``), the rollout functions' ``before_weight_update``, push (with
@@ -44,12 +48,13 @@ class WeightUpdate:
         record the version and admit the replacements it reached, ``after_weight_update``.
 
         ``stranded``: only the replacement engines waiting for weights when no engine is left to serve a rollout
-        (nothing, and ``{}``, when there are none), during that rollout; ``rollout_weights``: push the weights that
-        rollout is generated with (``--keep-old-actor``'s kept copy) instead of the actor's."""
+        (nothing, and no metrics, when there are none), during that rollout; ``rollout_weights``: push the weights
+        that rollout is generated with (``--keep-old-actor``'s kept copy) instead of the actor's."""
         started = time.monotonic()
+        version = self.manager.run_context.weight_version + int(new_version)
         urls = self.manager.stranded_engines() if stranded else None
         if stranded and not urls:
-            return {}
+            return self.manager.run_context.weight_version, {}
         self.manager.wake_up(["weights"])  # a no-op unless the engines sleep
         self.manager.before_weight_update()
         if urls is None:
@@ -61,7 +66,7 @@ class WeightUpdate:
         if expected is not None:
             metrics["weight_sync/check_abs_diff"] = self._check(urls, expected, version)
         self.manager.set_weight_version(version, urls)
-        return metrics | {"time/sync_s": time.monotonic() - started}
+        return version, metrics | {"time/sync_s": time.monotonic() - started}
 
     def _push(
         self, urls: list[str], version: int, rollout_weights: bool

@@ -1,26 +1,36 @@
 """The rollout functions' output types where slime plug-ins import them (``slime.rollout.base_types``), and
-:func:`call_rollout_fn`, which takes every return shape slime accepts from a rollout or eval function."""
+:func:`call_rollout_fn`, which calls a rollout or eval function as its signature asks and takes every return shape
+slime accepts from one."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from vime.utils.run_context import RunContext, call_plugin
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 
 __all__ = ["RolloutFnEvalOutput", "RolloutFnTrainOutput", "call_rollout_fn"]
 
 
 def call_rollout_fn(
-    fn: Callable[..., Any], *args: Any, evaluation: bool, **kwargs: Any
+    fn: Callable[..., Any],
+    args: Any,
+    rollout_id: int,
+    data_source: Any,
+    *,
+    evaluation: bool,
+    run_context: RunContext,
 ) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
-    """Call a rollout (``evaluation=False``) or eval function and return its output as vime's type, as slime does:
+    """Call a rollout (``evaluation=False``) or eval function, one of vime's with ``run_context=`` and one with slime's
+    signature with the read-only view of ``args`` (:func:`~vime.utils.run_context.call_plugin`), and return its
+    output as vime's type, as slime does:
     a bare ``list[list[Sample]]`` becomes ``RolloutFnTrainOutput(samples=...)`` and a bare ``{name: {...}}`` dict
     ``RolloutFnEvalOutput(data=...)``. A group may nest lists of samples (a generate function that returned several
     samples for one, e.g. an agent's turns): they are flattened into the group, in order. Anything else raises
     ``TypeError`` naming the function and what it returned; a sample with slime's multimodal inputs raises
     ``ValueError`` (vime's trainers are text-only)."""
-    output = fn(*args, evaluation=evaluation, **kwargs)
+    output = call_plugin(fn, args, rollout_id, data_source, evaluation=evaluation, run_context=run_context)
     # a class's instance (vime.rollout.lifecycle) is named by its class
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
     if evaluation:

@@ -15,6 +15,7 @@ from vime.rollout.eval_metrics import compute_eval_metrics
 from vime.rollout.vllm_generate import generate_group, shared_params
 from vime.utils.data import PromptDataset, load_prompt_dataset
 from vime.utils.eval_config import EvalDatasetConfig, load_eval_configs
+from vime.utils.run_context import RunContext, configuration, run_context_of
 from vime.utils.types import RolloutFnEvalOutput, Sample, Status
 
 
@@ -62,11 +63,18 @@ def _eval_groups(dataset: PromptDataset, n_samples: int) -> list[list[Sample]]:
     return groups
 
 
-async def evaluate_dataset(args, config: EvalDatasetConfig) -> tuple[dict, dict[str, float]]:
+async def evaluate_dataset(
+    args, config: EvalDatasetConfig, *, run_context: RunContext
+) -> tuple[dict, dict[str, float]]:
     """Sample and score one eval dataset; return its data entry and its metrics."""
     dataset = _dataset(args, config)
+    # the dataset's own settings, as flags for the generate and reward functions (a new namespace: args stay as parsed)
     eval_args = argparse.Namespace(
-        **{**vars(args), "rm_type": config.rm_type, "rollout_max_context_len": config.max_context_len}
+        **{
+            **vars(configuration(args)),
+            "rm_type": config.rm_type,
+            "rollout_max_context_len": config.max_context_len,
+        }
     )
     params = {
         "temperature": config.temperature,
@@ -78,7 +86,7 @@ async def evaluate_dataset(args, config: EvalDatasetConfig) -> tuple[dict, dict[
         params["min_tokens"] = config.min_new_tokens
     groups = await asyncio.gather(
         *(
-            generate_group(eval_args, group, params, evaluation=True)
+            generate_group(eval_args, group, params, evaluation=True, run_context=run_context)
             for group in _eval_groups(dataset, config.n_samples)
         )
     )
@@ -91,10 +99,11 @@ async def evaluate_dataset(args, config: EvalDatasetConfig) -> tuple[dict, dict[
     return entry, compute_eval_metrics(config.name, list(groups), reward_key=config.reward_key)
 
 
-async def run_eval(args, rollout_id: int) -> RolloutFnEvalOutput:
+async def run_eval(args, rollout_id: int, *, run_context: RunContext | None = None) -> RolloutFnEvalOutput:
     """Evaluate every dataset of ``--eval-prompt-data`` / ``--eval-config``."""
+    run_context = run_context_of(args, run_context)
     data, metrics = {}, {}
     for config in load_eval_configs(args):
-        data[config.name], dataset_metrics = await evaluate_dataset(args, config)
+        data[config.name], dataset_metrics = await evaluate_dataset(args, config, run_context=run_context)
         metrics.update(dataset_metrics)
     return RolloutFnEvalOutput(data=data, metrics=metrics)

@@ -12,7 +12,7 @@ batch hooks run on each returned batch.
 
 **Staleness.** Every sample records the weight version of each request that generated it (``weight_versions``,
 read when the request is sent). Its lag is ``T - min(weight_versions)``, ``T`` being the version the trainer holds
-when it trains the batch (the manager's ``args.train_weight_version``: the engines' version, or one more when
+when it trains the batch (the run context's ``train_weight_version``: the engines' version, or one more when
 ``train_async.py`` pushes weights between generating a rollout and training on it). A group with a sample lagging
 more than ``--max-staleness`` is not trained: its prompts go back to the data buffer to be generated again
 (``fully_async/regenerated_groups``), so no trained sample exceeds the bound. To waste little, the worker starts a
@@ -57,7 +57,8 @@ from vime.rollout.vllm_rollout import (
 )
 from vime.rollout.vllm_rollout import generate_rollout as default_generate_rollout
 from vime.utils.async_utils import run
-from vime.utils.types import RolloutFnTrainOutput, Sample, Status
+from vime.utils.run_context import RunContext, plugin_args
+from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample, Status
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,7 @@ class _Call:
 
 def max_staleness(args) -> int:
     """``--max-staleness``, or its default."""
-    value = getattr(args, "max_staleness", None)
-    return DEFAULT_MAX_STALENESS if value is None else value
+    return DEFAULT_MAX_STALENESS if args.max_staleness is None else args.max_staleness
 
 
 def sample_lags(train_version: int, group: _Group) -> list[int]:
@@ -104,20 +104,19 @@ class FullyAsyncWorker:
     """Keeps groups generating in the background and hands them out a batch at a time (see the module docstring).
     Every method runs on the rollout's event loop, which also serialises all access to the data buffer."""
 
-    def __init__(self, args, data_source, generate: GenerateGroup | None = None):
-        """``generate``: ``async (args, group, sampling_params, rollout_id) -> list[Sample]`` (default:
-        :func:`vime.rollout.vllm_rollout.generate_group`)."""
+    def __init__(self, args, data_source, run_context: RunContext, generate: GenerateGroup | None = None):
+        """``generate``: ``async (args, group, sampling_params, rollout_id, *, run_context) -> list[Sample]``
+        (default: :func:`vime.rollout.vllm_rollout.generate_group`)."""
         self.args = args
         self.data_source = data_source
+        self.run = run_context
         self.generate = generate or generate_group
         self.keep_group = load_dynamic_filter(args)
         self.params = sampling_params_from_args(args)
         self.batch_size = args.rollout_batch_size
         self.per_call = args.over_sampling_batch_size or args.rollout_batch_size
         self.max_staleness = max_staleness(args)
-        self.max_in_flight = args.rollout_concurrency * max(
-            1, len(getattr(args, "rollout_engine_urls", None) or [])
-        )
+        self.max_in_flight = args.rollout_concurrency * max(1, len(run_context.engine_urls))
         self.in_flight: dict[asyncio.Task, _Group] = {}
         self.ready: deque[_Group] = deque()  # finished, kept by the dynamic filter, in finishing order
         self.call: _Call | None = None
@@ -137,7 +136,7 @@ class FullyAsyncWorker:
     async def next_batch(self, rollout_id: int, train_version: int) -> RolloutFnTrainOutput:
         """The next ``--rollout-batch-size`` finished groups that ``train_version`` may train on."""
         started = time.monotonic()
-        version = self.args.weight_version
+        version = self.run.weight_version
         if train_version - version > self.max_staleness:
             raise RolloutError(
                 f"rollout {rollout_id} trains on weight version {train_version} but the engines serve {version}: "
@@ -178,7 +177,9 @@ class FullyAsyncWorker:
             "submitted_groups": self.counts["submitted"],
             **{f"dropped_groups/{reason}": count for reason, count in self.dropped.items()},
         }
-        output = finish_train_rollout(self.args, self.data_source, kept, self.filtered_out, started, counts)
+        output = finish_train_rollout(
+            self.args, self.data_source, kept, self.filtered_out, started, counts, run_context=self.run
+        )
         lags = call.lags
         output.metrics = {
             **(output.metrics or {}),
@@ -206,7 +207,7 @@ class FullyAsyncWorker:
         self.paused = True
 
     async def resume(self) -> None:
-        """The sync is done and ``args.weight_version`` is the new version: go on."""
+        """The sync is done and the run context's ``weight_version`` is the new version: go on."""
         self.paused = False
         self._top_up()
         self._notify()
@@ -255,7 +256,7 @@ class FullyAsyncWorker:
         else:
             return False
         rollouts_later = waiting // self.batch_size + 1
-        return base + rollouts_later - self.args.weight_version <= self.max_staleness
+        return base + rollouts_later - self.run.weight_version <= self.max_staleness
 
     def _top_up(self) -> None:
         while not (self.paused or self.stopped or self.error) and self._room():
@@ -267,9 +268,9 @@ class FullyAsyncWorker:
 
     def _start(self, group: list[Sample]) -> None:
         task = asyncio.ensure_future(
-            self.generate(self.args, group, dict(self.params), self._expected_rollout())
+            self.generate(self.args, group, dict(self.params), self._expected_rollout(), run_context=self.run)
         )
-        self.in_flight[task] = _Group(copy.deepcopy(group), self.args.weight_version)
+        self.in_flight[task] = _Group(copy.deepcopy(group), self.run.weight_version)
         self.counts["submitted"] += 1
         task.add_done_callback(self._finished)
 
@@ -293,7 +294,7 @@ class FullyAsyncWorker:
                 self.counts["aborted"] += 1
             else:
                 keep = (
-                    self.keep_group(self.args, group.samples)
+                    self.keep_group(plugin_args(self.args, self.run), group.samples)
                     if self.keep_group
                     else DynamicFilterOutput(True)
                 )
@@ -335,15 +336,18 @@ class FullyAsyncRollout:
         self.data_source = data_source
         self.worker: FullyAsyncWorker | None = None
 
-    def __call__(self, args, rollout_id: int, data_source, evaluation: bool = False):
+    def __call__(
+        self, args, rollout_id: int, data_source, evaluation: bool = False, *, run_context: RunContext
+    ) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
         """The next training batch from the worker; eval as the default rollout."""
         if evaluation:
-            return default_generate_rollout(args, rollout_id, data_source, evaluation=True)
+            return default_generate_rollout(
+                args, rollout_id, data_source, evaluation=True, run_context=run_context
+            )
         if self.worker is None:
-            self.worker = FullyAsyncWorker(self.args, self.data_source)
+            self.worker = FullyAsyncWorker(self.args, self.data_source, run_context)
             logger.info("fully-async rollout: worker started (--max-staleness %d)", self.worker.max_staleness)
-        train_version = getattr(args, "train_weight_version", args.weight_version)
-        return run(self.worker.next_batch(rollout_id, train_version))
+        return run(self.worker.next_batch(rollout_id, run_context.train_weight_version))
 
     def before_weight_update(self) -> None:
         """The worker starts no request until :meth:`after_weight_update`."""
@@ -351,7 +355,8 @@ class FullyAsyncRollout:
             run(self.worker.pause())
 
     def after_weight_update(self, version: int) -> None:
-        """The engines serve ``version`` (``args.weight_version``, which the worker stamps): the worker goes on."""
+        """The engines serve ``version`` (the run context's ``weight_version``, which the worker stamps): the worker
+        goes on."""
         if self.worker is not None:
             run(self.worker.resume())
 

@@ -27,13 +27,10 @@ import contextlib
 import functools
 import logging
 
-from vime.rollout.vllm_generate import (
-    RolloutContext,
-    generate_and_rm_group,
-    get_context,
-    sampling_params_from_args,
-)
+from vime.rollout.router_client import RolloutContext, get_context
+from vime.rollout.vllm_generate import generate_and_rm_group, sampling_params_from_args
 from vime.utils import processing_utils
+from vime.utils.run_context import RunContext, run_context_of
 from vime.utils.sglang_compat import SamplingParams
 from vime.utils.types import Sample
 
@@ -56,16 +53,18 @@ def load_processor(path: str):
 
 class GenerateState:
     """The tokenizer, default sampling parameters, a concurrency bound and the abort flag of the rollout that runs
-    this generate function; one per router and event loop (``GenerateState(args)`` returns the same object)."""
+    this generate function; one per run and event loop (``GenerateState(args)`` returns the same object). The run is
+    ``run_context``, else the one behind the ``args`` the rollout handed the generate function."""
 
     _states: dict[tuple, GenerateState] = {}
 
-    def __new__(cls, args) -> GenerateState:
-        key = (args.vllm_router_ip, args.vllm_router_port, id(asyncio.get_running_loop()))
+    def __new__(cls, args, *, run_context: RunContext | None = None) -> GenerateState:
+        run_context = run_context_of(args, run_context)
+        key = (id(run_context), id(asyncio.get_running_loop()))
         state = cls._states.get(key)
         if state is None:
             state = cls._states[key] = super().__new__(cls)
-            state._init(args, get_context(args))
+            state._init(args, get_context(args, run_context=run_context))
         return state
 
     def _init(self, args, context: RolloutContext) -> None:
@@ -89,9 +88,10 @@ class GenerateState:
         """Start generating and rewarding each group (:func:`~vime.rollout.vllm_generate.generate_and_rm_group`,
         the rollout's sampling parameters) as a task in :attr:`pendings`; count them in :attr:`remaining_batch_size`."""
         for group in samples:
-            self.pendings.add(
-                asyncio.create_task(generate_and_rm_group(self.args, group, self.sampling_params))
+            task = generate_and_rm_group(
+                self.args, group, self.sampling_params, run_context=self._context.run
             )
+            self.pendings.add(asyncio.create_task(task))
         self.remaining_batch_size += len(samples)
 
     @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """The rollout-function lifecycle: optional hooks the rollout manager calls on every rollout function.
 
 A rollout function (``--rollout-function-path``, ``--eval-function-path``) is a function
-``generate_rollout(args, rollout_id, data_source, evaluation=False)``, or, when it keeps state across calls, a
-class: the manager then makes one instance, ``cls(args, data_source)``, and calls it with the function's arguments.
+``generate_rollout(args, rollout_id, data_source, evaluation=False)`` (vime's own take the run's context too, as the
+keyword-only ``run_context``: :mod:`vime.utils.run_context`), or, when it keeps state across calls, a class: the
+manager then makes one instance, ``cls(args, data_source)``, and calls it with the function's arguments.
 Either may define any of these hooks (a function as attributes, a class as methods); the manager calls those
 present, on the rollout and on the eval function (once when they are the same):
 

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from vime.rollout.vllm_generate import get_model_url
 from vime.utils.http_utils import post
+from vime.utils.run_context import run_context_of
 from vime.utils.types import Sample, Status
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -84,11 +85,12 @@ def response_log_probs(choice: dict[str, Any], tokens: list[int], response_lengt
 
 def teacher_url(args: Any) -> str:
     """The teacher's ``/v1/completions``: ``--rm-url``, else the router of the ``--vllm-config`` model with role
-    ``teacher``."""
-    roles = getattr(args, "vllm_model_roles", None) or {}
-    teachers = [name for name, role in roles.items() if role == "teacher"]
-    if args.rm_url or not teachers:
+    ``teacher`` (``args``: the view a reward function is handed, which carries the run's routers)."""
+    if args.rm_url:
         return teacher_completions_url(args.rm_url)
+    teachers = [name for name, role in run_context_of(args).model_roles.items() if role == "teacher"]
+    if not teachers:
+        return teacher_completions_url(None)  # raises, naming both ways to give a teacher
     if len(teachers) > 1:
         raise ValueError(f"--vllm-config serves several teachers {teachers}; pick one with --rm-url")
     return get_model_url(args, teachers[0], COMPLETIONS_PATH)

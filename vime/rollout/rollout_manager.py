@@ -1,8 +1,12 @@
 """The rollout side as one plain object: vLLM engines, the router, the data buffer and the rollout functions.
 
-``vime/ray/rollout_manager.py`` wraps it as a Ray actor; tests and ``--debug-rollout-only`` use it directly. With
-``--vllm-config`` the frozen models (reference, teacher, reward) are served beside the policy, each behind its own
-router (``args.vllm_model_routers``); only the policy's engines are synced, put to sleep and health-checked.
+``vime/ray/rollout.py`` (slime's ``slime/ray/rollout.py``) wraps it as a Ray actor; tests and ``--debug-rollout-only``
+use it directly. With ``--vllm-config`` the frozen models (reference, teacher, reward) are served beside the policy,
+each behind its own router; only the policy's engines are synced, put to sleep and health-checked.
+
+The manager owns the run's :class:`~vime.utils.run_context.RunContext`: the routers' addresses, the live engines
+(kept current by the engine monitor) and the weight versions. It hands it to the rollout functions, which never read
+those from ``args``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +32,11 @@ from vime.backends.vllm_utils.router import RouterProcess, connect_router, regis
 from vime.rollout.base_types import call_rollout_fn
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.lifecycle import RolloutFunctions
+from vime.rollout.router_client import close_contexts
 from vime.rollout.sample_metrics import sample_metrics
-from vime.rollout.vllm_generate import close_contexts
 from vime.utils.async_utils import run
 from vime.utils.misc import load_function
+from vime.utils.run_context import RunContext, plugin_args
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 from vime.utils.vllm_config import engine_specs, serving_config
 
@@ -50,6 +56,10 @@ class RolloutManager:
         """``launcher`` makes each engine (default: subprocesses of this process, :class:`LocalEngines`, or the
         running engines of ``--rollout-external-engine-addrs``)."""
         self.args = args
+        # what the run learns while it runs; an external router's address is known from the start
+        self.run_context = RunContext(router_ip=args.vllm_router_ip, router_port=args.vllm_router_port)
+        # what plug-ins with slime's signature get as args: the flags, and the run context behind them
+        self.plugin_args = plugin_args(args, self.run_context)
         self.config = serving_config(args)
         self.specs = engine_specs(self.config)  # slot order: the policy's engines first
         if launcher is None:
@@ -79,7 +89,6 @@ class RolloutManager:
         # (rollout id, data-buffer and rollout-function states just before that rollout drew its prompts): what a
         # checkpoint of the previous rollout must hold when train_async.py has already started the next one.
         self._state_before: tuple[int, dict, dict] | None = None
-        args.weight_version = 0
 
     @property
     def num_engines(self) -> int:
@@ -129,19 +138,19 @@ class RolloutManager:
                 engine.stop()
             self.shutdown()
             raise
-        if self.args.use_fault_tolerance:
-            self.monitor = EngineMonitor(self.args, self.engines, router_url, self._make_engine, self.router)
-            self.monitor.start()
-        host, port = _address(router_url)
-        self.args.vllm_router_ip, self.args.vllm_router_port = host, port
-        # slime's names for the same address, read by plug-ins ported from slime (vime.rollout.sglang_compat)
-        self.args.sglang_router_ip, self.args.sglang_router_port = host, port
-        self.args.rollout_engine_urls = [engine.url for engine in self.engines]
+        context = self.run_context
+        context.router_ip, context.router_port = _address(router_url)
+        context.engine_urls = [engine.url for engine in self.engines]
         # slime's args.sglang_model_routers: every model's router, for plug-ins (vllm_generate.get_model_url)
-        self.args.vllm_model_routers = {self.config.policy.name: (host, port)} | {
+        context.model_routers = {self.config.policy.name: (context.router_ip, context.router_port)} | {
             name: _address(router.url) for name, (_, router) in self.frozen.items()
         }
-        self.args.vllm_model_roles = {model.name: model.role for model in self.config.models}
+        context.model_roles = {model.name: model.role for model in self.config.models}
+        if self.args.use_fault_tolerance:
+            self.monitor = EngineMonitor(
+                self.args, self.engines, router_url, self._make_engine, context, self.router
+            )
+            self.monitor.start()
         logger.info("%d vLLM engine(s) ready behind %s", len(self.engines), router_url)
 
     def _make_engine(self, slot: int) -> EngineHandle:
@@ -172,11 +181,13 @@ class RolloutManager:
             router.wait_ready_sync()
             run(register_workers(router.url, [engine.url for engine in model_engines]))
 
-    def generate(self, rollout_id: int, train_version: int | None = None) -> RolloutFnTrainOutput:
-        """One training batch: from the rollout function, or from ``--load-debug-rollout-data``. ``train_version``:
-        the weight version the trainer will hold when it trains on this batch (default: the engines' version); the
-        rollout function reads it as ``args.train_weight_version`` (the fully-async rollout bounds staleness by it)."""
-        self.args.train_weight_version = self.args.weight_version if train_version is None else train_version
+    def generate(self, rollout_id: int, weights_ahead: bool = False) -> RolloutFnTrainOutput:
+        """One training batch: from the rollout function, or from ``--load-debug-rollout-data``. ``weights_ahead``:
+        the trainer pushes one more weight version before it trains on this batch (``train_async.py``); the rollout
+        function reads the version the trainer will hold then as the run context's ``train_weight_version`` (the
+        fully-async rollout bounds staleness by it)."""
+        context = self.run_context
+        context.train_weight_version = context.weight_version + int(weights_ahead)
         started = time.monotonic()
         if self.args.load_debug_rollout_data:
             output = load_rollout_data(
@@ -188,16 +199,14 @@ class RolloutManager:
             output = load_rollout_data(self.args.load_forge_rollout_data.format(rollout_id=rollout_id))
         else:
             self._state_before = (rollout_id, *self._states())
-            output = call_rollout_fn(
-                self.functions.rollout, self.args, rollout_id, self.data_source, evaluation=False
-            )
+            output = self._call(self.functions.rollout, rollout_id, evaluation=False)
         samples = [s for group in output.samples for s in group]
         output.metrics = {**(output.metrics or {}), **sample_metrics(self.args, samples)}
         if self.args.custom_rollout_log_function_path and not self.args.load_debug_rollout_data:
             log = load_function(
                 self.args.custom_rollout_log_function_path, "--custom-rollout-log-function-path"
             )
-            if log(rollout_id, self.args, samples, output.metrics or {}, time.monotonic() - started):
+            if log(rollout_id, self.plugin_args, samples, output.metrics or {}, time.monotonic() - started):
                 output.metrics = {}
         for group in output.samples:
             for sample in group:
@@ -213,16 +222,23 @@ class RolloutManager:
 
     def eval(self, rollout_id: int) -> RolloutFnEvalOutput:
         """Run the eval function over ``--eval-prompt-data`` / ``--eval-config``."""
-        output = call_rollout_fn(
-            self.functions.eval, self.args, rollout_id, self.data_source, evaluation=True
-        )
+        output = self._call(self.functions.eval, rollout_id, evaluation=True)
         if self.args.custom_eval_rollout_log_function_path:
             log = load_function(
                 self.args.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path"
             )
-            if log(rollout_id, self.args, output.data, output.metrics or {}):
+            if log(rollout_id, self.plugin_args, output.data, output.metrics or {}):
                 output.metrics = {}
         return output
+
+    def _call(
+        self, fn: Callable[..., Any], rollout_id: int, evaluation: bool
+    ) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+        """The rollout or eval function ``fn`` on rollout ``rollout_id``, with the run context
+        (:func:`~vime.rollout.base_types.call_rollout_fn`)."""
+        return call_rollout_fn(
+            fn, self.args, rollout_id, self.data_source, evaluation=evaluation, run_context=self.run_context
+        )
 
     def num_rollout_per_epoch(self) -> int:
         """Rollout steps per pass over ``--prompt-data`` (sets ``--num-rollout`` from ``--num-epoch``)."""
@@ -281,7 +297,7 @@ class RolloutManager:
         """Record the policy version the engines now serve (stamped on every new sample); engines restarted by
         ``--use-fault-tolerance`` that received it (``synced_urls``: the engines the sync reached) rejoin the
         router; then the rollout functions' ``after_weight_update`` hooks."""
-        self.args.weight_version = version
+        self.run_context.weight_version = version
         if self.monitor is not None:
             self.monitor.admit_synced(synced_urls)
         self.functions.call("after_weight_update", version)

@@ -2,215 +2,30 @@
 then the group's hooks and rewards (``--rollout-sample-hook-path``, ``--custom-rm-path`` / ``--rm-type``).
 
 The building blocks of the default rollout (``vime.rollout.vllm_rollout``) and of eval (``eval_rollout``); a custom
-generate function (``--custom-generate-function-path``) or rollout function uses :func:`generate`,
-:func:`append_response` and :func:`get_context` from here (also importable from ``vime.rollout.vllm_rollout``).
+generate function (``--custom-generate-function-path``) or rollout function uses :func:`generate` and
+:func:`append_response` from here (also importable from ``vime.rollout.vllm_rollout``, with the request side,
+:mod:`vime.rollout.router_client`).
 
-The manager sets ``args.vllm_router_ip/port`` (where requests go), ``args.rollout_engine_urls`` (where
-abort/control calls go, never through the router) and ``args.weight_version`` (recorded on each sample as its
-request is sent); ``--rollout-sample-seeds`` gives every request its own seed (:func:`sample_seed`).
-
-A failed request is classified by its answer (:meth:`RolloutContext.completion`): vLLM's own refusal (a 4xx with
-vLLM's JSON error body, e.g. a prompt longer than the context) marks its samples FAILED with vLLM's reason; router
-errors (503 "No available workers (all circuits open or unhealthy)", 500 "Request failed: ..." for a worker
-connection, 408/429 from its queue, any 5xx) and lost connections are sent again for a bounded time; a request
-unanswered after ``--rollout-request-timeout`` is sent straight to another engine (:func:`_request`).
+Where requests go (the router), where abort calls go (the engines) and the weight version each request is stamped
+with come from the run's :class:`~vime.utils.run_context.RunContext`: vime's functions here take it as the
+keyword-only ``run_context``; called without it (from a plug-in with slime's signature) they find it behind the
+``args`` the rollout gave the plug-in. ``--rollout-sample-seeds`` gives every request its own seed
+(:func:`sample_seed`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
-import logging
-import time
 from typing import Any
 
-import aiohttp
-
-from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
 from vime.backends.vllm_utils.routed_experts import apply_choice_routing
-from vime.backends.vllm_utils.router import RouterError, list_workers
 from vime.rollout.rm_hub import reward_samples
-from vime.utils import http_utils
+from vime.rollout.router_client import RolloutError, get_context, request
 from vime.utils.misc import load_function
+from vime.utils.run_context import RunContext, call_plugin, plugin_args, run_context_of
 from vime.utils.sglang_compat import SamplingParams
 from vime.utils.types import Sample, Status
-
-logger = logging.getLogger(__name__)
-
-
-class RolloutError(RuntimeError):
-    """The rollout cannot go on (router or engines unreachable, filter never satisfied...)."""
-
-
-class SampleGenerationError(RuntimeError):
-    """vLLM refused one request (a 4xx with its error body): the samples are marked FAILED and the batch goes on."""
-
-
-class RetryableRequestError(RolloutError):
-    """The router or the connection failed a request (no worker, circuit open, queue full, 5xx, connection lost):
-    sent again until the retry window ends, then the rollout fails with this reason."""
-
-
-class RequestTimeoutError(RolloutError):
-    """No answer within ``--rollout-request-timeout``: the request is sent straight to another engine."""
-
-
-# Without --use-fault-tolerance a router error is retried this long (a worker dropping out, a full queue).
-ROUTER_ERROR_RETRY_S = 60.0
-RETRY_PAUSE_S = 1.0
-# Router answers that say nothing about the request itself: its queue timed out (408) or was full (429).
-_ROUTER_QUEUE_STATUSES = (408, 429)
-
-
-def vllm_error_message(body: str) -> str | None:
-    """``"<type>: <message>"`` of vLLM's error body ``{"error": {"message", "type", "param", "code"}}``; None for
-    any other body (the router's own errors are plain text)."""
-    try:
-        error = json.loads(body).get("error")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    if not isinstance(error, dict) or "message" not in error:
-        return None
-    return f"{error.get('type', 'error')}: {error['message']}"
-
-
-class RolloutContext:
-    """Per-process state shared by ``generate`` calls: HTTP session, concurrency bound, abort flag."""
-
-    def __init__(self, args):
-        if args.vllm_router_ip is None:
-            raise RolloutError(
-                "no router address: the rollout manager sets --vllm-router-ip/--vllm-router-port"
-            )
-        self.args = args
-        self.router_url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
-        concurrency = args.rollout_concurrency * max(1, len(self.engine_urls))
-        self.semaphore = asyncio.Semaphore(concurrency)
-        connector = aiohttp.TCPConnector(limit=concurrency)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        self.aborting = False
-        self.request_timeout_s = args.rollout_request_timeout
-        self.fault_tolerant = args.use_fault_tolerance
-        # a request the router could not complete is sent again for this long; with --use-fault-tolerance long
-        # enough for a dead engine to be replaced
-        self.retry_window_s = (
-            args.engine_start_timeout
-            + args.rollout_health_check_interval
-            + args.rollout_health_check_timeout
-            + 60
-            if self.fault_tolerant
-            else ROUTER_ERROR_RETRY_S
-        )
-        self.requeued_samples = 0
-
-    async def completion(self, payload: dict[str, Any], engine_url: str | None = None) -> dict[str, Any]:
-        """POST ``/v1/completions`` through the router (or straight to ``engine_url``); the decoded answer.
-
-        Raises :class:`SampleGenerationError` when vLLM refused the request (a 4xx with vLLM's error body),
-        :class:`RetryableRequestError` on a router error or a lost connection, :class:`RequestTimeoutError` after
-        ``--rollout-request-timeout`` (the connection is closed, which aborts the request on its engine), and
-        :class:`RolloutError` on any other 4xx (a malformed request: sending it again would not help)."""
-        url = f"{engine_url or self.router_url}/v1/completions"
-        try:
-            async with asyncio.timeout(self.request_timeout_s):
-                async with self.session.post(url, json=payload) as response:
-                    body = await response.text()
-        except TimeoutError as exc:
-            raise RequestTimeoutError(
-                f"no answer from {url} within --rollout-request-timeout {self.request_timeout_s:g} s"
-            ) from exc
-        except aiohttp.ClientError as exc:
-            where = "the router" if engine_url is None else "the engine"
-            raise RetryableRequestError(f"lost {where} at {url} ({type(exc).__name__}: {exc})") from exc
-        status = response.status
-        if status < 400:
-            return json.loads(body)
-        vllm_reason = vllm_error_message(body)
-        if status < 500 and status not in _ROUTER_QUEUE_STATUSES:
-            if vllm_reason is not None:
-                raise SampleGenerationError(f"vLLM refused the request (HTTP {status}) {vllm_reason}")
-            raise RolloutError(f"{url} refused the request: HTTP {status}: {body[:300]}")
-        raise RetryableRequestError(
-            f"{url} answered HTTP {status}: {(vllm_reason or body)[:300] or '(no body)'}"
-        )
-
-    async def engine_for_resend(self, timeout: RequestTimeoutError, timed_out_on: set[str]) -> str:
-        """Where to send a request again after ``timeout``: the first of the router's workers, other than
-        ``timed_out_on``, to answer ``GET /health`` (within 5 s). The router's list, not the engine URLs: it holds
-        only engines that serve the current weights, and an external router's workers too. Raises
-        :class:`RolloutError` with the reason when there is none."""
-        try:
-            urls = [url for url in await list_workers(self.router_url) if url not in timed_out_on]
-        except RouterError as exc:
-            raise RolloutError(f"{timeout}, and {exc}") from timeout
-        clients = [EngineControlClient(url) for url in urls]
-
-        async def probe(client: EngineControlClient) -> str | None:
-            return client.base_url if await client.health() else None
-
-        probes = [asyncio.ensure_future(probe(client)) for client in clients]
-        try:
-            for answer in asyncio.as_completed(probes):
-                if (url := await answer) is not None:
-                    return url
-        finally:
-            for task in probes:
-                task.cancel()
-            await asyncio.gather(*probes, return_exceptions=True)
-            await asyncio.gather(*(client.close() for client in clients))
-        raise RolloutError(
-            f"{timeout}, and no other worker of the router answers /health (workers: {urls}; timed out on: "
-            f"{sorted(timed_out_on) or 'the router'}); raise --rollout-request-timeout if the engines are only slow"
-        ) from timeout
-
-    @property
-    def engine_urls(self) -> list[str]:
-        """The engines now (``--use-fault-tolerance`` replaces dead ones, on new ports)."""
-        return list(getattr(self.args, "rollout_engine_urls", None) or [])
-
-    async def abort_all(self) -> None:
-        """Abort every in-flight request on every engine (``/pause?mode=abort``), then resume them. With
-        ``--use-fault-tolerance`` an engine that does not answer is skipped: dead, it has nothing left to abort (its
-        requests come back through the retry path)."""
-        clients = [EngineControlClient(url) for url in self.engine_urls]
-        live = clients
-        try:
-            for call in (lambda client: client.pause(mode="abort"), lambda client: client.resume()):
-                results = await asyncio.gather(*(call(client) for client in live), return_exceptions=True)
-                for result in results:
-                    if isinstance(result, BaseException) and not (
-                        self.fault_tolerant and isinstance(result, EngineControlError)
-                    ):
-                        raise result
-                live = [
-                    c
-                    for c, result in zip(live, results, strict=True)
-                    if not isinstance(result, BaseException)
-                ]
-        finally:
-            await asyncio.gather(*(client.close() for client in clients))
-
-
-_contexts: dict[tuple, RolloutContext] = {}
-
-
-def get_context(args) -> RolloutContext:
-    """The context for this router and event loop (created on first use)."""
-    key = (args.vllm_router_ip, args.vllm_router_port, id(asyncio.get_running_loop()))
-    if key not in _contexts:
-        _contexts[key] = RolloutContext(args)
-    return _contexts[key]
-
-
-async def close_contexts() -> None:
-    """Close every context's HTTP session, and the plug-ins' shared one (:mod:`vime.utils.http_utils`); the rollout
-    manager calls this at shutdown."""
-    while _contexts:
-        _, ctx = _contexts.popitem()
-        await ctx.session.close()
-    await http_utils.close_session()
 
 
 def get_model_url(args, model: str, path: str = "/generate") -> str:
@@ -218,7 +33,7 @@ def get_model_url(args, model: str, path: str = "/generate") -> str:
     ``get_model_url``, its default path SGLang's ``/generate``, which :func:`vime.utils.http_utils.post` answers
     through vLLM; without ``--vllm-config`` the policy is named ``policy``). Unlike slime's, an unknown name raises
     rather than falling back to the policy's router."""
-    routers = getattr(args, "vllm_model_routers", None) or {}
+    routers = run_context_of(args).model_routers
     if model not in routers:
         raise KeyError(
             f"no model {model!r} is served (models: {sorted(routers)}); name it in --vllm-config, or read the "
@@ -307,63 +122,6 @@ def _apply_choice(args, sample: Sample, choice: dict[str, Any], weight_version: 
     return sample
 
 
-async def _request(
-    args, ctx: RolloutContext, payload: dict[str, Any], samples: list[Sample]
-) -> tuple[list[dict], int] | None:
-    """POST one completion request for ``samples`` (bounded by the concurrency limit): its choices and the weight
-    version the engines served when it was sent; None if it did not run: the rollout is aborting (samples marked
-    ABORTED) or vLLM refused it (samples marked FAILED with vLLM's reason).
-
-    A router error or a lost connection is sent again, through the router, until ``ctx.retry_window_s`` after its
-    first failure. A request unanswered after ``--rollout-request-timeout`` is sent straight to a worker of the
-    router that answers ``/health`` and has not timed out on it (the router's cache-aware policy would send the same
-    prompt back to the hung engine); when none is left the rollout fails. Either way the samples are unchanged (a
-    failed attempt appends nothing), so each is generated once.
-
-    The version is read when the request is sent, not when it returns: a weight sync while it runs pauses the
-    engines in place and resumes them on the new weights, so its first tokens come from the older version (a
-    request sent while a sync is under way counts as the older version too: a conservative stamp)."""
-    async with ctx.semaphore:
-        give_up_at = None
-        engine_url = None  # through the router until a timeout
-        timed_out_on: set[str] = set()
-        while True:
-            if ctx.aborting:
-                for sample in samples:
-                    sample.status = Status.ABORTED
-                return None
-            version = getattr(args, "weight_version", 0)
-            try:
-                return (await ctx.completion(payload, engine_url))["choices"], version
-            except SampleGenerationError as exc:
-                logger.warning("%d sample(s) FAILED: %s", len(samples), exc)
-                for sample in samples:
-                    sample.mark_failed(str(exc))
-                    sample.remove_sample = True
-                return None
-            except (RequestTimeoutError, RetryableRequestError) as exc:
-                first_failure = give_up_at is None
-                if first_failure:  # counted once, however many tries it takes
-                    give_up_at = time.monotonic() + ctx.retry_window_s
-                    ctx.requeued_samples += len(samples)
-                if isinstance(exc, RequestTimeoutError):
-                    if engine_url is not None:
-                        timed_out_on.add(engine_url)
-                    engine_url = await ctx.engine_for_resend(exc, timed_out_on)
-                    logger.warning("%s; sending it straight to %s", exc, engine_url)
-                    continue
-                if time.monotonic() >= give_up_at:
-                    raise RetryableRequestError(
-                        f"{exc}; still failing {ctx.retry_window_s:g} s after the first try"
-                    ) from exc
-                (logger.warning if first_failure else logger.debug)(
-                    "request for %d sample(s) failed (%s); sending it again for up to %g s",
-                    len(samples), exc, ctx.retry_window_s,
-                )  # fmt: skip
-                engine_url = None
-                await asyncio.sleep(RETRY_PAUSE_S)
-
-
 def max_new_tokens(args, sample: Sample, sampling_params: dict[str, Any]) -> int:
     """Tokens ``sample`` may still generate: ``max_tokens`` minus its response so far, and no more than
     ``--rollout-max-context-len`` minus its length when that is set."""
@@ -372,7 +130,9 @@ def max_new_tokens(args, sample: Sample, sampling_params: dict[str, Any]) -> int
     return remaining if context is None else min(remaining, context - len(sample.tokens))
 
 
-async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+async def generate(
+    args, sample: Sample, sampling_params: dict[str, Any], *, run_context: RunContext | None = None
+) -> Sample:
     """Generate (or continue, for a partially generated sample) one response, token-in/token-out."""
     if sample.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED):
         return sample
@@ -383,7 +143,7 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     payload = _completion_payload(args, sample.tokens, sampling_params, remaining)
     if getattr(args, "rollout_sample_seeds", False):
         payload["seed"] = sample_seed(args, sample)
-    response = await _request(args, get_context(args), payload, [sample])
+    response = await request(get_context(args, run_context=run_context), payload, [sample])
     if response is None:
         return sample
     choices, version = response
@@ -404,7 +164,9 @@ def is_fresh_group(group: list[Sample]) -> bool:
     )
 
 
-async def generate_fresh_group(args, group: list[Sample], sampling_params: dict[str, Any]) -> list[Sample]:
+async def generate_fresh_group(
+    args, group: list[Sample], sampling_params: dict[str, Any], *, run_context: RunContext | None = None
+) -> list[Sample]:
     """Generate a whole group (:func:`is_fresh_group`) with one request of ``n = len(group)``: one HTTP round trip
     and one prefill for the group instead of one per sample, the same samples as :func:`generate` would draw."""
     remaining = max_new_tokens(args, group[0], sampling_params)
@@ -416,7 +178,7 @@ async def generate_fresh_group(args, group: list[Sample], sampling_params: dict[
     payload["n"] = len(group)
     if getattr(args, "rollout_sample_seeds", False):
         payload["seed"] = sample_seed(args, group[0])
-    response = await _request(args, get_context(args), payload, group)
+    response = await request(get_context(args, run_context=run_context), payload, group)
     if response is not None:
         choices, version = response
         if len(choices) != len(group):
@@ -485,35 +247,49 @@ async def generate_group(
     sampling_params: dict[str, Any],
     rollout_id: int | None = None,
     evaluation: bool = False,
+    *,
+    run_context: RunContext | None = None,
 ) -> list[Sample]:
     """Generate every sample of a group (one ``n``-sample request when the group is fresh and no custom generate
     function is set), then reward it (unless the group was aborted). A generate function that returns several
     samples for one (an agent's turns) has them all in the returned group."""
+    run_context = run_context_of(args, run_context)
     custom = args.custom_generate_function_path or any(s.generate_function_path for s in group)
     if not custom and is_fresh_group(group):
-        samples = await generate_fresh_group(args, group, dict(sampling_params))
-        return await _rewarded(args, samples, rollout_id, evaluation)
+        samples = await generate_fresh_group(args, group, dict(sampling_params), run_context=run_context)
+        return await _rewarded(args, samples, rollout_id, evaluation, run_context=run_context)
     if getattr(args, "mask_offpolicy_in_partial_rollout", False):
         for sample in group:
             mask_previous_response(sample)
     outputs = await asyncio.gather(
-        *(generate_one(args, sample, sampling_params, evaluation) for sample in group)
+        *(
+            generate_one(args, sample, sampling_params, evaluation, run_context=run_context)
+            for sample in group
+        )
     )
     samples = [s for out in outputs for s in (out if isinstance(out, list) else [out])]
-    return await _rewarded(args, samples, rollout_id, evaluation)
+    return await _rewarded(args, samples, rollout_id, evaluation, run_context=run_context)
 
 
 async def generate_one(
-    args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
+    args,
+    sample: Sample,
+    sampling_params: dict[str, Any],
+    evaluation: bool = False,
+    *,
+    run_context: RunContext | None = None,
 ) -> Sample | list[Sample]:
     """One sample through its generate function: the sample's own ``generate_function_path`` (slime's per-dataset
     eval setting), else ``--custom-generate-function-path``, else :func:`generate`. The function gets its own copy
     of ``sampling_params`` (readable under SGLang's names too, :class:`~vime.utils.sglang_compat.SamplingParams`),
-    and ``evaluation=`` if its signature takes it (as slime passes it)."""
+    and ``evaluation=`` if its signature takes it (as slime passes it); one with slime's signature gets the read-only
+    view of ``args`` (:func:`~vime.utils.run_context.call_plugin`)."""
     path = sample.generate_function_path or args.custom_generate_function_path
     generate_fn = load_function(path, "--custom-generate-function-path") if path else generate
     kwargs = {"evaluation": evaluation} if "evaluation" in inspect.signature(generate_fn).parameters else {}
-    return await generate_fn(args, sample, SamplingParams(sampling_params), **kwargs)
+    params = SamplingParams(sampling_params)
+    run_context = run_context_of(args, run_context)
+    return await call_plugin(generate_fn, args, sample, params, run_context=run_context, **kwargs)
 
 
 def mask_previous_response(sample: Sample) -> None:
@@ -524,15 +300,22 @@ def mask_previous_response(sample: Sample) -> None:
 
 
 async def _rewarded(
-    args, samples: list[Sample], rollout_id: int | None = None, evaluation: bool = False, reward: bool = True
+    args,
+    samples: list[Sample],
+    rollout_id: int | None = None,
+    evaluation: bool = False,
+    reward: bool = True,
+    *,
+    run_context: RunContext,
 ) -> list[Sample]:
     """Reward the samples of a group, unless the group was aborted (it goes back to the buffer); first each
     ``--rollout-sample-hook-path`` hook (slime: ``hook(args, sample, *, rollout_id, evaluation)``, sync or async,
     returning a replacement Sample or None to keep the one it may have changed). As in slime, a sample whose reward
     a custom generate function already set (e.g. a multi-agent system scoring its agents) keeps it. ``reward=False``:
-    the hooks only."""
+    the hooks only. Hooks and rewards are plug-ins: they get the read-only view of ``args``."""
     if any(s.status == Status.ABORTED for s in samples):
         return samples
+    args = plugin_args(args, run_context)
     for path in getattr(args, "rollout_sample_hook_path", None) or []:
         hook = load_function(path, "--rollout-sample-hook-path")
         for i, sample in enumerate(samples):
@@ -546,7 +329,12 @@ async def _rewarded(
 
 
 async def generate_and_rm(
-    args, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
+    args,
+    sample: Sample,
+    sampling_params: dict[str, Any],
+    evaluation: bool = False,
+    *,
+    run_context: RunContext | None = None,
 ) -> Sample | list[Sample]:
     """slime's per-sample step (``sglang_rollout.generate_and_rm``): generate one sample with its generate function
     (:func:`generate_one`) and reward what it returns (one sample or several), except with ``--group-rm`` (the group
@@ -554,21 +342,29 @@ async def generate_and_rm(
     a sample is marked ABORTED without a request."""
     if sample.status in (Status.COMPLETED, Status.TRUNCATED):
         return sample
-    if get_context(args).aborting:
+    run_context = run_context_of(args, run_context)
+    if get_context(args, run_context=run_context).aborting:
         sample.status = Status.ABORTED
         return sample
     if args.partial_rollout and args.mask_offpolicy_in_partial_rollout:
         mask_previous_response(sample)
-    out = await generate_one(args, sample, sampling_params, evaluation)
-    await _rewarded(args, out if isinstance(out, list) else [out], None, evaluation, reward=not args.group_rm)
+    out = await generate_one(args, sample, sampling_params, evaluation, run_context=run_context)
+    samples = out if isinstance(out, list) else [out]
+    await _rewarded(args, samples, None, evaluation, reward=not args.group_rm, run_context=run_context)
     return out
 
 
 async def generate_and_rm_group(
-    args, group: list[Sample], sampling_params: dict[str, Any], evaluation: bool = False
+    args,
+    group: list[Sample],
+    sampling_params: dict[str, Any],
+    evaluation: bool = False,
+    *,
+    run_context: RunContext | None = None,
 ) -> list[Sample]:
     """slime's per-group step (``sglang_rollout.generate_and_rm_group``): generate and reward a group
     (:func:`generate_group`); a group submitted while the rollout aborts comes back untouched."""
-    if get_context(args).aborting:
+    run_context = run_context_of(args, run_context)
+    if get_context(args, run_context=run_context).aborting:
         return group
-    return await generate_group(args, group, sampling_params, evaluation=evaluation)
+    return await generate_group(args, group, sampling_params, evaluation=evaluation, run_context=run_context)

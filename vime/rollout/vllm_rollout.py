@@ -1,15 +1,16 @@
 """The default rollout: token-in/token-out generation through vllm-router, rewards, dynamic sampling.
 
-``generate_rollout(args, rollout_id, data_source, evaluation=False)`` is the ``--rollout-function-path``
-default (DESIGN.md §3). It keeps ``args.rollout_batch_size`` groups that pass the dynamic filter, submitting
+``generate_rollout(args, rollout_id, data_source, evaluation=False, *, run_context)`` is the
+``--rollout-function-path`` default (DESIGN.md §3): slime's signature, and the run's
+:class:`~vime.utils.run_context.RunContext` (router, engines, weight version) as a keyword-only argument. It keeps ``args.rollout_batch_size`` groups that pass the dynamic filter, submitting
 ``--over-sampling-batch-size`` prompts at a time, then aborts the surplus in-flight requests on every engine.
 Aborted and surplus groups go back to the data buffer: with ``--partial-rollout`` as they are (to resume),
 otherwise reset to their prompts, so no prompt is silently skipped.
 
-Per-sample and per-group generation lives in ``vime.rollout.vllm_generate``; its plug-in API (``generate``,
-``generate_and_rm``, ``generate_and_rm_group``, ``append_response``, ``get_context``, ...) and
-:class:`~vime.rollout.generate_state.GenerateState` are re-exported here, where slime's plug-ins find
-``sglang_rollout``'s (``slime.rollout.sglang_rollout`` → ``vime.rollout.vllm_rollout``).
+Per-sample and per-group generation lives in ``vime.rollout.vllm_generate`` (requests in
+``vime.rollout.router_client``); their plug-in API (``generate``, ``generate_and_rm``, ``generate_and_rm_group``,
+``append_response``, ``get_context``, ...) and :class:`~vime.rollout.generate_state.GenerateState` are re-exported
+here, where slime's plug-ins find ``sglang_rollout``'s (``slime.rollout.sglang_rollout`` → ``vime.rollout.vllm_rollout``).
 """
 
 from __future__ import annotations
@@ -24,17 +25,19 @@ from vime.rollout.eval_metrics import pass_rates
 from vime.rollout.eval_rollout import run_eval
 from vime.rollout.filter_hub.base_types import DynamicFilterOutput
 from vime.rollout.generate_state import GenerateState, abort
-from vime.rollout.vllm_generate import (
+from vime.rollout.router_client import (
     RolloutContext,
     RolloutError,
     SampleGenerationError,
-    append_response,
     close_contexts,
+    get_context,
+)
+from vime.rollout.vllm_generate import (
+    append_response,
     generate,
     generate_and_rm,
     generate_and_rm_group,
     generate_group,
-    get_context,
     get_model_url,
     max_new_tokens,
     reset_to_prompt,
@@ -42,6 +45,7 @@ from vime.rollout.vllm_generate import (
 )
 from vime.utils.async_utils import run
 from vime.utils.misc import load_function
+from vime.utils.run_context import RunContext, plugin_args, run_context_of
 from vime.utils.types import RolloutFnTrainOutput, Sample, Status
 
 __all__ = [  # the generation API plug-ins import from here (defined in vime.rollout.vllm_generate, generate_state)
@@ -70,11 +74,17 @@ ABORT_RETRY_S = 0.2
 
 
 async def train_rollout(
-    args, rollout_id: int, data_source, sampling_params: dict[str, Any]
+    args,
+    rollout_id: int,
+    data_source,
+    sampling_params: dict[str, Any],
+    *,
+    run_context: RunContext | None = None,
 ) -> RolloutFnTrainOutput:
     """One training batch with the given vLLM sampling fields (the default rollout passes
     :func:`sampling_params_from_args`; a custom rollout function may add its own, e.g. ``ignore_eos``)."""
-    ctx = get_context(args)
+    run_context = run_context_of(args, run_context)
+    ctx = get_context(args, run_context=run_context)
     started = time.monotonic()
     params = sampling_params
     keep_group = load_dynamic_filter(args)
@@ -96,13 +106,18 @@ async def train_rollout(
                         f"it needs {target}. Check --dynamic-sampling-filter-path or the task difficulty"
                     )
                 for group in data_source.get_samples(per_round):
-                    pending[asyncio.create_task(generate_group(args, group, params, rollout_id))] = group
+                    task = generate_group(args, group, params, rollout_id, run_context=run_context)
+                    pending[asyncio.create_task(task)] = group
                     submitted += 1
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 pending.pop(task)
                 samples = task.result()
-                verdict = keep_group(args, samples) if keep_group else DynamicFilterOutput(keep=True)
+                verdict = (
+                    keep_group(plugin_args(args, run_context), samples)
+                    if keep_group
+                    else DynamicFilterOutput(keep=True)
+                )
                 if verdict.keep:
                     kept.append(samples)
                 else:
@@ -127,6 +142,7 @@ async def train_rollout(
             "returned_to_buffer_groups": len(returned),
             **{f"dropped_groups/{reason}": count for reason, count in dropped.items()},
         },
+        run_context=run_context,
     )
     data_source.add_samples(returned)
     return output
@@ -145,23 +161,26 @@ def finish_train_rollout(
     filtered_out: list[list[Sample]],
     started: float,
     counts: dict[str, float],
+    *,
+    run_context: RunContext,
 ) -> RolloutFnTrainOutput:
     """A training batch from the kept groups (shared by the default and the fully-async rollout): slime's
     ``--rollout-sample-filter-path`` and ``--rollout-all-samples-process-path`` hooks (the latter also sees the
     groups the dynamic filter dropped), then the batch metrics, ``counts`` among them as ``rollout/<key>``.
     Must run on the rollout's event loop."""
+    view = plugin_args(args, run_context)  # what slime's hooks get as args
     if args.rollout_sample_filter_path:  # slime's hook: set remove_sample on samples that should not train
-        load_function(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(args, kept)
+        load_function(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(view, kept)
     if args.rollout_all_samples_process_path:  # slime's hook: every finished group, the filtered ones too
         process = load_function(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")
-        process(args, sorted(kept + filtered_out, key=lambda group: group[0].index or 0), data_source)
+        process(view, sorted(kept + filtered_out, key=lambda group: group[0].index or 0), data_source)
     metrics = rollout_metrics(kept, args.reward_key)
     if getattr(args, "log_passrate", False):  # slime's --log-passrate: pass@k of the kept groups
         metrics |= {f"rollout/{key}": value for key, value in pass_rates(kept, args.reward_key).items()}
     metrics |= {f"rollout/{key}": value for key, value in counts.items()}
     metrics["rollout/time_s"] = time.monotonic() - started
     if getattr(args, "use_fault_tolerance", False):
-        ctx = get_context(args)
+        ctx = get_context(args, run_context=run_context)
         metrics["fault/requeued_samples"], ctx.requeued_samples = float(ctx.requeued_samples), 0
     metrics["rollout/tokens_per_s"] = metrics["rollout/response_tokens"] / max(
         metrics["rollout/time_s"], 1e-9
@@ -211,8 +230,12 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None) -> dict[
     }
 
 
-def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
+def generate_rollout(
+    args, rollout_id: int, data_source, evaluation: bool = False, *, run_context: RunContext | None = None
+):
     """Default ``--rollout-function-path``: a training batch, or (``evaluation=True``) the eval datasets."""
+    run_context = run_context_of(args, run_context)
     if evaluation:
-        return run(run_eval(args, rollout_id))
-    return run(train_rollout(args, rollout_id, data_source, sampling_params_from_args(args)))
+        return run(run_eval(args, rollout_id, run_context=run_context))
+    params = sampling_params_from_args(args)
+    return run(train_rollout(args, rollout_id, data_source, params, run_context=run_context))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,19 +91,39 @@ def tcp_store(
     )
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a list of floats over all ranks (one collective, in float64 so counts stay exact)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.tolist()
+@dataclass(frozen=True)
+class DataParallel:
+    """A training rank's data-parallel group: the ranks that hold different samples. Its model-parallel peers
+    (tensor, pipeline, context) hold the same samples and reduce over their own copy of this group; every reduction
+    a trainer makes over its samples goes through here."""
 
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None  # None: every rank
+    is_leader: bool = (
+        True  # speaks for its samples (writes their debug data): one rank among its model-parallel peers
+    )
 
-def all_reduce_max(values: list[int] | list[float]) -> list[int] | list[float]:
-    """Element-wise maximum of a list of ints (or, if any is a float, floats) over all ranks (one collective)."""
-    dtype = torch.float64 if any(isinstance(v, float) for v in values) else torch.int64
-    tensor = torch.tensor(values, dtype=dtype, device=device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over the group (one collective, in float64 so counts stay exact)."""
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over the group (one collective, float64)."""
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order."""
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
+        if not values:  # every rank of the group has the same (empty) list: nothing to reduce
+            return []
+        tensor = torch.tensor(values, dtype=torch.float64, device=device())
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor.tolist()
 
 
 def all_gather_1d(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:

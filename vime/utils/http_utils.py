@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from vime.utils import sglang_compat
+from vime.utils.run_context import PluginArgs
 
 logger = logging.getLogger(__name__)
 _sessions: dict[int, aiohttp.ClientSession] = {}
@@ -86,11 +87,10 @@ async def _post_json(url: str, payload: dict | None, max_retries: int, headers: 
 
 def get_rollout_num_engines(args) -> int:
     """How many policy engines serve the rollout (slime's helper, e.g. for ``--sglang-server-concurrency`` times
-    engines): the live engines once the rollout manager started them, else what the flags give
+    engines): the live engines in the ``args`` a rollout hands its plug-ins, else what the flags give
     (``--rollout-external-engine-addrs``, or ``--rollout-num-gpus`` / ``--rollout-num-gpus-per-engine``)."""
-    urls = getattr(args, "rollout_engine_urls", None)  # runtime: set by the rollout manager
-    if urls:
-        return len(urls)
+    if isinstance(args, PluginArgs) and args.rollout_engine_urls:  # a rollout's view: the engines now
+        return len(args.rollout_engine_urls)
     if args.rollout_external_engine_addrs:
         return len(args.rollout_external_engine_addrs)
     if not args.rollout_num_gpus:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from vime.utils import mismatch, ppo_utils
-from vime.utils.arg_validation import score_centering_is_mode
+from vime.utils.algorithm_flags import score_centering_is_mode
 from vime.utils.chunked_log_probs import chunked_log_probs
 from vime.utils.misc import load_function
 

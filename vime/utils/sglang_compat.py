@@ -11,8 +11,8 @@ slime's custom generate functions call SGLang's own API through the router::
 vLLM has no such route. :func:`vime.utils.http_utils.post` (slime's ``slime.utils.http_utils.post`` after the
 rename) sends a POST whose URL path ends in ``/generate`` and whose body is SGLang's request (it has ``input_ids``
 or ``text``) to ``/v1/completions`` on the same host (vime's router spreads it over the engines) and gives the
-answer back in SGLang's shape, with the translation below; vime sets ``args.sglang_router_ip/port`` to the
-router's address.
+answer back in SGLang's shape, with the translation below; the ``args`` a plug-in is handed answer
+``args.sglang_router_ip/port`` with the router's address.
 
 Request: ``input_ids`` (token ids) or ``text``, ``sampling_params``, ``return_logprob``, ``logprob_start_len`` (>= 0:
 also the prompt tokens' log-probs, ``meta_info["input_token_logprobs"]``, as slime's OPD teacher call asks), and

@@ -4,8 +4,9 @@ A plug-in written for slime reads ``args.sglang_server_concurrency`` (its in-fli
 ``args.sglang_router_ip``/``port`` (where ``/generate`` requests go) or
 ``args.sglang_enable_deterministic_inference`` or ``args.sglang_tool_call_parser``/``sglang_reasoning_parser`` (vLLM's
 parser names, e.g. for :mod:`vime.agent.adapters`); after parsing, each holds the value of vime's flag with that
-meaning. The router's address is known here only with ``--vllm-router-ip``/``--vllm-router-port``; otherwise the
-rollout manager sets both names once its router is up.
+meaning. The router's address is known here only with ``--vllm-router-ip``/``--vllm-router-port``; a rollout's
+plug-ins read the address of the router the run uses through the view of ``args`` they are handed
+(:class:`vime.utils.run_context.PluginArgs`).
 """
 
 from __future__ import annotations

@@ -80,14 +80,16 @@ def format_eval_line(rollout_id: int, metrics: dict[str, float]) -> str:
 class Tracker:
     """Sends each step's metrics to ``run_dir/metrics.jsonl`` and, when enabled, TensorBoard and W&B.
 
-    ``args`` uses ``--use-tensorboard``/``--tensorboard-dir``, ``--use-wandb``/``--wandb-*`` and
-    ``--num-rollout`` (for the console line); missing attributes count as unset.
+    ``args`` uses ``--use-tensorboard``/``--tensorboard-dir`` and ``--use-wandb``/``--wandb-*``; missing attributes
+    count as unset. ``num_rollout``: the run's rollout steps, for the console line.
     """
 
-    def __init__(self, args: argparse.Namespace, run_dir: str | os.PathLike) -> None:
+    def __init__(
+        self, args: argparse.Namespace, run_dir: str | os.PathLike, num_rollout: int | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.num_rollout: int | None = getattr(args, "num_rollout", None)
+        self.num_rollout = num_rollout
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # closed in close()
         self._tb = None
         self._wandb_run = None
@@ -125,7 +127,7 @@ class Tracker:
             k: v if isinstance(v, int | float | str | bool | type(None)) else str(v)
             for k, v in vars(args).items()
             if k != "wandb_key"
-        }
+        } | ({"num_rollout": self.num_rollout} if self.num_rollout is not None else {})
         name = getattr(args, "wandb_exp_name", None)
         if name and getattr(args, "wandb_random_suffix", False):  # as slime: distinct names for reruns
             name = f"{name}_{secrets.token_hex(4)}"

@@ -64,8 +64,8 @@ def build_lr_scheduler(
     args: argparse.Namespace, optimizer: torch.optim.Optimizer, peak_lr: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` following :func:`lr_at`; stepped once per optimizer step (its state is checkpointed)."""
-    num_rollout = getattr(args, "num_rollout", None)
-    total = num_rollout * args.num_steps_per_rollout if num_rollout else None
+    # --num-epoch's count is known to the rollout manager only, once the prompts are loaded: no total then
+    total = args.num_rollout * args.num_steps_per_rollout if args.num_rollout else None
     lr_at(args, 0, peak_lr, total)  # fail at start-up, not at the first step, on a bad schedule
 
     def factor(step: int) -> float:

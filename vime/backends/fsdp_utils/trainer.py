@@ -11,12 +11,10 @@ PPO wiring, with the critic and the actor holding the same per-rank partition::
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
@@ -35,7 +33,7 @@ from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
 from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from vime.backends.fsdp_utils.routing_replay import attach_routing_replay
 from vime.backends.trainer_base import PerSample, TrainerBase
-from vime.utils.distributed import all_reduce_max, all_reduce_sum, device, init_distributed
+from vime.utils.distributed import DataParallel, device, init_distributed
 from vime.utils.freeze import apply_trainable_patterns
 from vime.utils.loss import slime_loss_batch, value_loss
 from vime.utils.memory_plan import local_bytes
@@ -63,19 +61,15 @@ class FSDPTrainer(TrainerBase):
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
         init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
         self.args, self.role = args, role
-        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        self.dp = DataParallel(dist.get_rank(), dist.get_world_size())  # every rank holds its own samples
         self.device = device()
         self._start_memory_recording()
-        self.mesh = init_device_mesh(self.device.type, (self.dp_size,))
-        # Same seed on every rank: a critic's new value head must start identical everywhere.
-        torch.manual_seed(args.seed)
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        self.model = build_model(args.hf_checkpoint, role, self.mesh, args)
+        self.mesh = init_device_mesh(self.device.type, (self.dp.size,))
+        self._seed()
+        self.model = self.module = build_model(args.hf_checkpoint, role, self.mesh, args)
         apply_trainable_patterns(self.model, args.freeze_params_name_list, args.only_train_params_name_list)
-        lr = args.critic_lr if role == "critic" and args.critic_lr is not None else args.lr
-        self.optimizer = build_optimizer(args, self.model, lr)
-        self.scheduler = build_lr_scheduler(args, self.optimizer, lr)
+        self.optimizer = build_optimizer(args, self.model, self.learning_rate)
+        self.scheduler = build_lr_scheduler(args, self.optimizer, self.learning_rate)
         self.step = 0  # optimizer steps taken
         self._init_policy_models_and_hooks(self._frozen_model, is_actor=role == "actor")
         config = self.model.config
@@ -98,51 +92,18 @@ class FSDPTrainer(TrainerBase):
         return model
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    def load(self) -> int | None:
-        """Resume from ``--load`` (``--critic-load`` for the critic): the iteration in
-        ``latest_checkpointed_iteration.txt`` or ``--ckpt-step``; weights, optimizer (unless ``--no-load-optim``),
-        LR scheduler, RNG (unless ``--no-load-rng``) and step. Returns the saved rollout id. Without a checkpoint
-        the actor starts from ``--ref-load`` weights if set, else keeps the ``--hf-checkpoint`` weights; returns
-        None. ``--finetune`` loads the weights only and also returns None."""
-        args = self.args
-        load_dir = args.critic_load if self.role == "critic" else args.load
-        step = args.ckpt_step if args.ckpt_step is not None else checkpoint.latest_iteration(load_dir)
-        if load_dir and step is not None:
-            iter_dir = checkpoint.iteration_dir(load_dir, step)
-            if not iter_dir.is_dir():
-                raise FileNotFoundError(
-                    f"no checkpoint {iter_dir} (--load {load_dir}, --ckpt-step {args.ckpt_step})"
-                )
-            if args.finetune:
-                checkpoint.load_weights(self.model, load_dir, step)
-                return None
-            optimizer = None if args.no_load_optim else self.optimizer
-            state = checkpoint.load_checkpoint(
-                iter_dir, self.model, optimizer, self.scheduler, not args.no_load_rng
-            )
-            self.step = state["step"]
-            if args.reset_optimizer_states:
-                self._reset_optimizer_steps()
-            return state["rollout_id"]
-        if (
-            self.role == "actor"
-            and args.ref_load
-            and Path(args.ref_load).resolve() != Path(args.hf_checkpoint).resolve()
-        ):
-            checkpoint.load_weights(self.model, args.ref_load)
-        return None
+    def _load_checkpoint(self, load_dir: str, step: int, optimizer: Any | None, load_rng: bool) -> dict:
+        iter_dir = checkpoint.iteration_dir(load_dir, step)
+        return checkpoint.load_checkpoint(iter_dir, self.model, optimizer, self.scheduler, load_rng)
 
-    def save(self, rollout_id: int, save_dir: str) -> None:
-        """Write ``save_dir/iter_{rollout_id:07d}`` (optimizer state unless ``--no-save-optim``); see checkpoint.py."""
-        optimizer = None if self.args.no_save_optim else self.optimizer
+    def _load_weights(self, path: str, step: int | None) -> None:
+        checkpoint.load_weights(self.model, path, step)
+
+    def _save_checkpoint(self, save_dir: str, rollout_id: int, optimizer: Any | None) -> None:
         checkpoint.save_checkpoint(save_dir, rollout_id, self.model, optimizer, self.scheduler, self.step)
 
     def export_hf(self, out_dir: str) -> None:
-        """Save an HF directory (weights in the training dtype, config, tokenizer of ``--hf-checkpoint``)."""
         checkpoint.export_hf(self.model, out_dir, self.args.hf_checkpoint, compute_dtype(self.args))
-
-    def _trained_module(self) -> nn.Module:
-        return self.model
 
     def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         models = [
@@ -152,8 +113,6 @@ class FSDPTrainer(TrainerBase):
         return params + optimizer_tensors(self.optimizer), [p.grad for p in params]
 
     def iter_weight_buckets(self, buffer_bytes: int, stack_experts: bool = False) -> Iterator[Bucket]:
-        """HF-named full weights in buckets of at most ``buffer_bytes`` (collective; see weights.py); with
-        ``stack_experts`` fused MoE experts keep their stacked layout (``vime.utils.stacked_experts``)."""
         return weights.iter_weight_buckets(self.model, buffer_bytes, compute_dtype(self.args), stack_experts)
 
     # ------------------------------------------------------------------------------------------- forward only
@@ -192,16 +151,7 @@ class FSDPTrainer(TrainerBase):
                     self.routing.store([samples[i] for i in mb], split_routing(experts, packed.total_lengths))
         return out, (entropies if with_entropy and self.role != "critic" else None)
 
-    def _reduce_max(self, values: list[int]) -> list[int]:
-        return all_reduce_max(values)
-
-    def _reduce_float_max(self, values: list[float]) -> list[float]:
-        return all_reduce_max([float(v) for v in values])
-
     # ------------------------------------------------------------------------------------------------ train
-    def _reduce_sum(self, values: list[float]) -> list[float]:
-        return all_reduce_sum(values)
-
     def _gradients_to_come(self) -> list[torch.Tensor]:
         """Trainable parameters with no gradient yet: FSDP2 creates them in the first backward of a step."""
         return [p for p in self.model.parameters() if p.requires_grad and p.grad is None]
@@ -270,7 +220,7 @@ class FSDPTrainer(TrainerBase):
                     loss, metrics = self._loss_from_logits(batch, logits, labels)
                 # Each rank's loss is already its share of the global loss; FSDP averages gradients over ranks,
                 # so scale by the number of ranks to make that average the sum.
-                (loss * self.dp_size).backward()
+                (loss * self.dp.size).backward()
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
         max_norm = args.clip_grad if args.clip_grad > 0 else float("inf")
@@ -283,7 +233,7 @@ class FSDPTrainer(TrainerBase):
         self.scheduler.step()
         self.step += 1
         keys = sorted(sums)
-        metrics = dict(zip(keys, all_reduce_sum([sums[k] for k in keys]), strict=True))
+        metrics = dict(zip(keys, self.dp.sum([sums[k] for k in keys]), strict=True))
         elapsed = time.perf_counter() - start
         metrics.update(
             grad_norm=float(grad_norm), lr=lr, step_time_s=elapsed, tokens_per_s=total_tokens / elapsed

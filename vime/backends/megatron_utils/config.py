@@ -180,21 +180,22 @@ def role_overrides(data: dict[str, Any], role: str, where: str = "--megatron-con
     return out
 
 
-def apply_megatron_config(args: argparse.Namespace, role: str) -> argparse.Namespace:
-    """``args`` updated in place with ``--megatron-config-path`` for ``role``; unknown flags are an error."""
-    path = getattr(args, "megatron_config_path", None)
+def role_args(args: argparse.Namespace, role: str) -> argparse.Namespace:
+    """The flags of ``role``'s trainer: ``args`` with ``--megatron-config-path``'s values for ``role`` (a new
+    namespace; ``args`` stay as parsed); unknown flags are an error."""
+    path = args.megatron_config_path
     if not path:
         return args
     import yaml
 
     data = yaml.safe_load(Path(path).read_text()) or {}
-    for dest, value in role_overrides(data, role, f"--megatron-config-path {path}").items():
-        if not hasattr(args, dest):
-            raise ValueError(
-                f"--megatron-config-path {path}: unknown flag {dest!r} (use the --flag spelling or dest)"
-            )
-        setattr(args, dest, value)
-    return args
+    overrides = role_overrides(data, role, f"--megatron-config-path {path}")
+    unknown = sorted(dest for dest in overrides if not hasattr(args, dest))
+    if unknown:
+        raise ValueError(
+            f"--megatron-config-path {path}: unknown flag {unknown[0]!r} (use the --flag spelling or dest)"
+        )
+    return argparse.Namespace(**{**vars(args), **overrides})
 
 
 def load_hook(path: str | None, flag: str) -> Callable | None:

@@ -27,12 +27,13 @@ def parse(argv: Sequence[str] | None, to_hf: bool) -> argparse.Namespace:
         parser.add_argument("--output-dir", required=True, help="HF directory to write.")
         parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     add_megatron_arguments(parser)
+    parser.set_defaults(
+        transformer_impl="local"
+    )  # vime builds Megatron-Core's local layers (no TransformerEngine)
     argv = list(sys.argv[1:] if argv is None else argv)
     first = parser.parse_args(argv)
     implied = flags_to_argv(flags_from_hf_config(load_hf_config(first.hf_checkpoint)))
-    args = parser.parse_args(implied + argv)  # given flags come last, so they win
-    args.transformer_impl = "local"
-    return args
+    return parser.parse_args(implied + argv)  # given flags come last, so they win
 
 
 def _module(args: argparse.Namespace):

@@ -10,14 +10,11 @@ vocab-parallel (``log_probs.py``). The critic (``role="critic"``, for ppo) is th
 from __future__ import annotations
 
 import argparse
-import copy
-import random
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
-from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
@@ -34,10 +31,10 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from vime.backends.megatron_utils import checkpoint, weights
 from vime.backends.megatron_utils.config import (
-    apply_megatron_config,
     compute_dtype,
     ddp_config_kwargs,
     load_hook,
+    role_args,
 )
 from vime.backends.megatron_utils.hf_config import check_hf_config, load_hf_config
 from vime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
@@ -54,7 +51,7 @@ from vime.backends.megatron_utils.routing_replay import (
     local_routing,
 )
 from vime.backends.trainer_base import PerSample, TrainerBase
-from vime.utils.distributed import init_distributed
+from vime.utils.distributed import DataParallel, init_distributed
 from vime.utils.freeze import apply_trainable_patterns
 from vime.utils.loss import value_loss
 from vime.utils.offload import optimizer_tensors
@@ -64,13 +61,6 @@ from vime.utils.types import Sample
 from vime.utils.weight_buckets import Bucket
 
 ROLES = ("actor", "critic")
-
-
-def _dp_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    """Reduce over the data-parallel group (TP/PP peers hold the same samples, so never over the world)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device="cuda")
-    dist.all_reduce(tensor, op=op, group=parallel_state.get_data_parallel_group())
-    return tensor.tolist()
 
 
 def init_megatron_parallel(args: argparse.Namespace) -> None:
@@ -100,18 +90,26 @@ class MegatronTrainer(TrainerBase):
     def __init__(self, args: argparse.Namespace, role: str = "actor"):
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
-        args = apply_megatron_config(copy.copy(args), role)
+        args = role_args(args, role)
         if args.fp16:
             raise ValueError("--fp16 is not supported by the Megatron backend (no loss scaling); use --bf16")
         init_megatron_parallel(args)
         self.args, self.role = args, role
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
+        # TP/CP/PP peers hold the same samples: every reduction over samples is over the data-parallel group only,
+        # and one rank among the peers (TP and CP rank 0, last pipeline stage) speaks for them
+        self.dp = DataParallel(
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+            parallel_state.get_data_parallel_group(),
+            is_leader=parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
+            and parallel_state.is_pipeline_last_stage(),
+        )
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device())
         self._start_memory_recording()
-        torch.manual_seed(args.seed)
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        if getattr(args, "custom_megatron_init_path", None):
+        self._seed()
+        if args.custom_megatron_init_path:
             load_hook(args.custom_megatron_init_path, "--custom-megatron-init-path")(args)
         hf_config = load_hf_config(args.hf_checkpoint)
         check_hf_config(args, hf_config, f"{args.hf_checkpoint}/config.json")
@@ -124,10 +122,9 @@ class MegatronTrainer(TrainerBase):
         ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(args))
         self.model = DistributedDataParallel(self.config, ddp_config, module)
         self.module = module
-        lr = args.critic_lr if role == "critic" and args.critic_lr is not None else args.lr
         optim_config = OptimizerConfig(
             optimizer=args.optimizer,
-            lr=lr,
+            lr=self.learning_rate,
             min_lr=args.min_lr,
             weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1,
@@ -139,7 +136,7 @@ class MegatronTrainer(TrainerBase):
             use_distributed_optimizer=args.use_distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(optim_config, [self.model])
-        self.scheduler = self._scheduler(lr)
+        self.scheduler = self._scheduler(self.learning_rate)
         self.step = 0
         self._init_policy_models_and_hooks(self._frozen, is_actor=role == "actor")
         if self.loss_takes_logits:
@@ -151,14 +148,6 @@ class MegatronTrainer(TrainerBase):
             )
         self._init_routing_replay(
             args.num_layers, args.moe_router_topk, args.num_experts, attach_routing_replay
-        )
-        self.before_log_prob_hook = load_hook(
-            getattr(args, "custom_megatron_before_log_prob_hook_path", None),
-            "--custom-megatron-before-log-prob-hook-path",
-        )
-        self.before_train_step_hook = load_hook(
-            getattr(args, "custom_megatron_before_train_step_hook_path", None),
-            "--custom-megatron-before-train-step-hook-path",
         )
         self.memory_plan = self.check_memory_plan()
 
@@ -177,11 +166,16 @@ class MegatronTrainer(TrainerBase):
             module = build_gpt_model(self.args, self.hf_vocab_size, self.config)
         if (role or self.role) == "critic":
             add_value_head(module, self.config, self.args.seed)
+        self._load_module_weights(module, path, step)
+        return module
+
+    def _load_module_weights(self, module, path: str, step: int | None) -> None:
+        """``module``'s weights from a torch_dist checkpoint directory (its iteration ``step``, default the latest) or
+        an HF directory."""
         if step is not None or checkpoint.latest_iteration(path) is not None:
             checkpoint.load(path, step, module, None, None, load_rng=False)
         else:
             weights.load_hf_weights(module, path, self.hf_vocab_size)
-        return module
 
     def _frozen(self, path: str, step: int | None = None):
         module = self._load_module(path, "actor", step)
@@ -191,8 +185,7 @@ class MegatronTrainer(TrainerBase):
 
     def _scheduler(self, lr: float) -> OptimizerParamScheduler:
         args = self.args
-        num_rollout = getattr(args, "num_rollout", None)
-        total = num_rollout * args.num_steps_per_rollout if num_rollout else None
+        total = args.num_rollout * args.num_steps_per_rollout if args.num_rollout else None
         decay = args.lr_decay_iters or total or 1
         warmup = args.lr_warmup_iters
         if args.lr_warmup_fraction is not None:
@@ -212,53 +205,19 @@ class MegatronTrainer(TrainerBase):
         )
 
     # ---------------------------------------------------------------------------------------- checkpoints
-    def load(self) -> int | None:
-        """Resume from ``--load`` (``--critic-load`` for the critic) at ``--ckpt-step`` or
-        ``latest_checkpointed_iteration.txt``: weights, optimizer (unless ``--no-load-optim``), scheduler, RNG
-        (unless ``--no-load-rng``). Returns the saved rollout id, or None for a fresh start (then the actor loads
-        ``--ref-load`` weights if set and different from ``--hf-checkpoint``)."""
-        args = self.args
-        load_dir = args.critic_load if self.role == "critic" else args.load
-        step = args.ckpt_step if args.ckpt_step is not None else checkpoint.latest_iteration(load_dir)
-        if load_dir and step is not None:
-            if args.finetune:
-                checkpoint.load(load_dir, step, self.module, None, None, load_rng=False)
-                if hasattr(self.optimizer, "reload_model_params"):
-                    self.optimizer.reload_model_params()
-                return None
-            optimizer = None if args.no_load_optim else self.optimizer
-            state = checkpoint.load(
-                load_dir, step, self.module, optimizer, self.scheduler, load_rng=not args.no_load_rng
-            )
-            self.step = state["step"]
-            if args.reset_optimizer_states:
-                self._reset_optimizer_steps()
-            return state["rollout_id"]
-        if (
-            self.role == "actor"
-            and args.ref_load
-            and Path(args.ref_load).resolve() != Path(args.hf_checkpoint).resolve()
-        ):
-            if checkpoint.latest_iteration(args.ref_load) is not None:
-                checkpoint.load(args.ref_load, None, self.module, None, None, load_rng=False)
-            else:
-                weights.load_hf_weights(self.module, args.ref_load, self.hf_vocab_size)
-            if hasattr(self.optimizer, "reload_model_params"):  # refresh the fp32 main copies
-                self.optimizer.reload_model_params()
-        return None
+    def _load_checkpoint(self, load_dir: str, step: int, optimizer: Any | None, load_rng: bool) -> dict:
+        return checkpoint.load(load_dir, step, self.module, optimizer, self.scheduler, load_rng=load_rng)
 
-    def save(self, rollout_id: int, save_dir: str) -> None:
-        """Write ``save_dir/iter_{rollout_id:07d}`` in ``torch_dist`` format and update
-        ``latest_checkpointed_iteration.txt``."""
-        optimizer = None if self.args.no_save_optim else self.optimizer
+    def _load_weights(self, path: str, step: int | None) -> None:
+        self._load_module_weights(self.module, path, step)
+        if hasattr(self.optimizer, "reload_model_params"):  # refresh the fp32 main copies
+            self.optimizer.reload_model_params()
+
+    def _save_checkpoint(self, save_dir: str, rollout_id: int, optimizer: Any | None) -> None:
         checkpoint.save(save_dir, rollout_id, self.module, optimizer, self.scheduler, self.step)
 
     def export_hf(self, out_dir: str) -> None:
-        """Save an HF directory (safetensors in the training dtype, config and tokenizer of ``--hf-checkpoint``)."""
         checkpoint.export_hf(self.module, out_dir, self.args.hf_checkpoint, self.hf_vocab_size, self.dtype)
-
-    def _trained_module(self) -> torch.nn.Module:
-        return self.module
 
     def _gpu_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         modules = [
@@ -272,35 +231,12 @@ class MegatronTrainer(TrainerBase):
         return params + optimizer_tensors(self.optimizer), grad_buffers + main_grads
 
     def iter_weight_buckets(self, buffer_bytes: int, stack_experts: bool = False) -> Iterator[Bucket]:
-        """HF-named full weights (gathered over TP/PP/EP) in buckets of at most ``buffer_bytes``; collective. With
-        ``stack_experts`` the routed experts come stacked per layer (``vime.utils.stacked_experts``)."""
+        """Gathered over TP/PP/EP."""
         return weights.iter_weight_buckets(
             self.module, self.hf_vocab_size, buffer_bytes, self.dtype, stack_experts
         )
 
     # ------------------------------------------------------------------------------------------ forward only
-    def _before_log_probs(self, net, samples: list[Sample], model: str) -> None:
-        if self.before_log_prob_hook is not None:
-            self.before_log_prob_hook(self.args, net, samples, model)
-
-    def _micro_batch_token_budget(self, forward_only: bool = False) -> int | None:
-        """The token budget x CP: context parallelism spreads a micro-batch's row over the CP ranks."""
-        budget = super()._micro_batch_token_budget(forward_only)
-        return budget * parallel_state.get_context_parallel_world_size() if budget else budget
-
-    def _is_data_parallel_leader(self) -> bool:
-        return (
-            parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_context_parallel_rank() == 0
-            and parallel_state.is_pipeline_last_stage()
-        )
-
-    def _reduce_max(self, values: list[int]) -> list[int]:
-        return [int(v) for v in _dp_reduce(values, op=dist.ReduceOp.MAX)]
-
-    def _reduce_float_max(self, values: list[float]) -> list[float]:
-        return _dp_reduce(values, op=dist.ReduceOp.MAX)
-
     def _model_batch(self, packed: PackedBatch, **extra) -> dict:
         """A packed micro-batch as this rank feeds it to the model: padded and split for SP/CP
         (:class:`PackedLayout`), with the local logit rows and their labels."""
@@ -465,25 +401,13 @@ class MegatronTrainer(TrainerBase):
         self.model.zero_grad_buffer()
 
     # ------------------------------------------------------------------------------------------------ train
-    def _reduce_sum(self, values: list[float]) -> list[float]:
-        return _dp_reduce(values)
-
-    def _data_parallel_group(self) -> dist.ProcessGroup:
-        return parallel_state.get_data_parallel_group()
-
-    def _before_train_step(self, rollout_id: int, step: int) -> None:
-        if self.before_train_step_hook is not None:
-            self.before_train_step_hook(
-                self.args, rollout_id, step, self.model, self.optimizer, self.scheduler
-            )
-
     def _train_step(
         self, samples: list[Sample], masks: PerSample, data: dict[str, PerSample | None]
     ) -> dict[str, float]:
         """One optimizer step over micro-batches through Megatron's schedule (PP-aware)."""
         args = self.args
         start = time.perf_counter()
-        inputs, total_tokens = self._micro_batch_inputs(samples, masks, data, torch.device("cuda"))
+        inputs, total_tokens = self._micro_batch_inputs(samples, masks, data, self.device)
         mbs = [self._model_batch(packed, indices=mb, batch=batch) for mb, packed, batch in inputs]
         sums: dict[str, float] = {}
         entropy_grad = self._entropy_needs_grad()
@@ -523,8 +447,7 @@ class MegatronTrainer(TrainerBase):
         self.step += 1
         keys = sorted(sums)
         # metrics exist on the last pipeline stage; summed over data-parallel ranks there
-        values = _dp_reduce([sums[k] for k in keys]) if keys else []
-        metrics = dict(zip(keys, values, strict=True))
+        metrics = dict(zip(keys, self.dp.sum([sums[k] for k in keys]), strict=True))
         elapsed = time.perf_counter() - start
         metrics.update(
             grad_norm=float(grad_norm or 0.0), lr=lr, step_time_s=elapsed, tokens_per_s=total_tokens / elapsed

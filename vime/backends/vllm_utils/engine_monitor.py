@@ -28,13 +28,15 @@ from vime.backends.vllm_utils.engine import ServerProcess
 from vime.backends.vllm_utils.engine_fleet import EngineHandle
 from vime.backends.vllm_utils.router import RouterProcess, register_workers, unregister_worker
 from vime.utils.async_utils import run
+from vime.utils.run_context import RunContext
 
 logger = logging.getLogger(__name__)
 
 
 class EngineMonitor:
     """Watches ``engines`` (a list it updates in place: slot ``i`` keeps its GPUs) behind the router at
-    ``router_url``; ``make_engine(i)`` builds (not starts) the replacement of slot ``i``."""
+    ``router_url``; ``make_engine(i)`` builds (not starts) the replacement of slot ``i``. The live engines go to the
+    run context's ``engine_urls`` (where the rollout aborts requests) as they change."""
 
     def __init__(
         self,
@@ -42,9 +44,11 @@ class EngineMonitor:
         engines: list[EngineHandle],
         router_url: str,
         make_engine: Callable[[int], EngineHandle],
+        run_context: RunContext,
         router: RouterProcess | None = None,
     ):
         self.args = args
+        self.run_context = run_context
         self.engines = engines
         self.router_url = router_url
         self.router = router  # the router vime started (None: an external one, not restarted)
@@ -208,7 +212,7 @@ class EngineMonitor:
             # down since the first death when a replacement died while starting
             self.starting[slot] = (self.starting.get(slot, (now, now))[0], now)
             self.waiting_for_weights.discard(slot)
-            self.args.rollout_engine_urls = self._live_urls()  # where the rollout aborts requests
+            self.run_context.engine_urls = self._live_urls()
         logger.warning("engine %d starting again at %s", slot, engine.url)
 
     def _check_start(self, slot: int) -> None:
@@ -219,7 +223,7 @@ class EngineMonitor:
             with self.lock:
                 del self.starting[slot]
                 self.waiting_for_weights.add(slot)
-                self.args.rollout_engine_urls = self._live_urls()
+                self.run_context.engine_urls = self._live_urls()
             self.time_lost_s += time.monotonic() - down_since
             logger.warning("engine %d is up at %s; it rejoins after the next weight sync", slot, engine.url)
         elif not engine.is_alive() or time.monotonic() - launched > self.args.engine_start_timeout:

@@ -19,11 +19,11 @@ class RayRolloutManager(RolloutManager):
     """The rollout manager in its Ray actor: rollouts leave it by reference (:mod:`vime.ray.rollout_batch`)."""
 
     def generate_batch(
-        self, rollout_id: int, dp_sizes: tuple[int, ...], train_version: int | None = None
+        self, rollout_id: int, dp_sizes: tuple[int, ...], weights_ahead: bool = False
     ) -> RolloutBatch:
-        """Rollout ``rollout_id``, split for training groups of the given data-parallel sizes (``train_version``:
+        """Rollout ``rollout_id``, split for training groups of the given data-parallel sizes (``weights_ahead``:
         see :meth:`RolloutManager.generate`)."""
-        return make_batch(self.args, self.generate(rollout_id, train_version), dp_sizes)
+        return make_batch(self.args, self.generate(rollout_id, weights_ahead), dp_sizes)
 
     def attach_trainers(self, actor: RayTrainGroup, critic: RayTrainGroup | None) -> None:
         """The training groups whose weights :meth:`update_weights` pushes (the actor's; the critic is offloaded
@@ -33,10 +33,10 @@ class RayRolloutManager(RolloutManager):
     # Its own thread (the "fault" concurrency group): a push to stranded replacements runs during a rollout.
     @ray.method(concurrency_group="fault")
     def update_weights(
-        self, version: int, stranded: bool = False, rollout_weights: bool = False
-    ) -> dict[str, float]:
+        self, stranded: bool = False, rollout_weights: bool = False, new_version: bool = True
+    ) -> tuple[int, dict[str, float]]:
         """A weight update in one call: see :meth:`vime.ray.weight_update.WeightUpdate.update`."""
-        return self.weight_update.update(version, stranded, rollout_weights)
+        return self.weight_update.update(stranded, rollout_weights, new_version)
 
     def describe_engines(self) -> list[dict]:
         """Where each engine runs (``NodeEngine.where``, and the model it serves), in slot order."""
