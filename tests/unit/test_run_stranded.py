@@ -12,27 +12,28 @@ from vime.ray import run as run_module
 from vime.ray.run import Run
 
 
-class _Call:
-    def __init__(self, calls: list, result: dict):
-        self.calls, self.result = calls, result
+class _UpdateWeights:
+    """The rollout manager's one-call sync: records its arguments; ``pushed``: whether any replacement was stranded
+    (the manager, which counts the versions, answers the version it pushed and the sync's metrics)."""
 
-    def remote(self, version: int, stranded: bool = False, rollout_weights: bool = False) -> dict:
-        self.calls.append((version, stranded, rollout_weights))
-        return self.result
+    def __init__(self, pushed: bool):
+        self.calls: list[dict] = []
+        self.pushed = pushed
+
+    def remote(self, **kwargs) -> tuple[int, dict]:
+        self.calls.append(kwargs)
+        return 5 + int(kwargs["new_version"]), ({"weight_sync/engines": 1.0} if self.pushed else {})
 
 
 class _Manager:
-    """The rollout manager's one-call sync: records its arguments; ``pushed``: whether any replacement was stranded."""
-
     def __init__(self, pushed: bool):
-        self.calls: list = []
-        self.update_weights = _Call(self.calls, {"weight_sync/engines": 1.0} if pushed else {})
+        self.update_weights = _UpdateWeights(pushed)
 
 
 def _run(manager: _Manager, keep_old_actor: bool, trained_since_sync: bool) -> Run:
     args = argparse.Namespace(keep_old_actor=keep_old_actor, debug_train_only=False)
     return Run(args, manager, actor=object(), critic=None, tracker=None, log_dir=None, start_rollout_id=0,
-               weight_version=5, trained_since_sync=trained_since_sync)  # fmt: skip
+               num_rollout=1, trained_since_sync=trained_since_sync)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -41,28 +42,32 @@ def _no_ray(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("keep_old_actor", "trained_since_sync", "pushed_as", "after"),
+    ("keep_old_actor", "trained_since_sync", "kept", "new_version", "still_ahead"),
     [
         # train_async.py with --keep-old-actor: the kept copy, the version the rollout began with; still a step behind
-        (True, True, (5, True, True), (5, True)),
+        (True, True, True, False, True),
         # train_async.py without it: the actor's weights, as the next version; the engines caught up with the actor
-        (False, True, (6, True, False), (6, False)),
+        (False, True, False, True, False),
         # train.py (nothing trained since the sync): the engines' version, with or without the flag
-        (False, False, (5, True, False), (5, False)),
-        (True, False, (5, True, False), (5, False)),
+        (False, False, False, False, False),
+        (True, False, False, False, False),
     ],
 )
-def test_stranded_replacements_get_the_rollouts_weights(keep_old_actor, trained_since_sync, pushed_as, after):
+def test_stranded_replacements_get_the_rollouts_weights(
+    keep_old_actor, trained_since_sync, kept, new_version, still_ahead
+):
     manager = _Manager(pushed=True)
     run = _run(manager, keep_old_actor, trained_since_sync)
     run._serve_stranded()
-    assert manager.calls == [pushed_as]
-    assert (run.weight_version, run.trained_since_sync) == after
+    assert manager.update_weights.calls == [
+        {"stranded": True, "rollout_weights": kept, "new_version": new_version}
+    ]
+    assert run.trained_since_sync is still_ahead
 
 
 def test_nothing_changes_while_no_replacement_is_stranded():
     manager = _Manager(pushed=False)
     run = _run(manager, keep_old_actor=False, trained_since_sync=True)
     run._serve_stranded()
-    assert manager.calls == [(6, True, False)]  # asked, but none was stranded: the run stays a version ahead
-    assert (run.weight_version, run.trained_since_sync) == (5, True)
+    assert manager.update_weights.calls == [{"stranded": True, "rollout_weights": False, "new_version": True}]
+    assert run.trained_since_sync  # asked, but none was stranded: the run stays a version ahead
