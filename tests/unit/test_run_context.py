@@ -1,6 +1,6 @@
 """Configuration and runtime apart (vime.utils.run_context): what a plug-in with slime's signature reads through the
-view of ``args`` it is handed (the flags, and the run's router, engines and versions as they change), that it cannot
-write them, and which rollout and generate functions get the run context instead."""
+view of ``args`` it is handed (the flags, and the run's router, engines and versions as they change), that what it
+writes stays in its view, and which rollout and generate functions get the run context instead."""
 
 from __future__ import annotations
 
@@ -44,15 +44,19 @@ def test_the_view_answers_flags_and_the_runs_values_as_they_change():
         view.nope  # noqa: B018
 
 
-def test_the_view_is_read_only_and_a_copy_is_a_writable_namespace():
+def test_a_plugins_writes_stay_in_its_view_and_a_copy_is_a_writable_namespace():
     flags, run, view = _view()
-    with pytest.raises(AttributeError, match="cannot set args.rollout_batch_size: .* read-only"):
-        view.rollout_batch_size = 8
-    with pytest.raises(AttributeError, match="cannot set args.sample"):
-        view.sample = None  # slime's multi-agent example stores state on args: refused, with the way out
-    with pytest.raises(AttributeError, match="cannot set"):
+    view.sample = None  # slime's multi-agent example keeps state on args
+    view.rollout_batch_size = 8  # ... and adjusts flags for its own calls (args.rollout_max_context_len)
+    view.sglang_router_port = 1  # even a runtime name: the plug-in's own business
+    assert (view.sample, view.rollout_batch_size, view.sglang_router_port) == (None, 8, 1)
+    assert flags.rollout_batch_size == 4 and not hasattr(flags, "sample") and run.router_port == 3000
+    assert PluginArgs(flags, run).rollout_batch_size == 4  # another view sees the configuration
+    assert vars(view)["rollout_batch_size"] == 8 and "sample" in view
+    del view.sample, view.rollout_batch_size, view.sglang_router_port
+    assert view.rollout_batch_size == 4 and "sample" not in view and view.sglang_router_port == 3000
+    with pytest.raises(AttributeError, match="cannot delete args.rollout_batch_size"):
         del view.rollout_batch_size
-    assert flags.rollout_batch_size == 4 and not hasattr(flags, "sample")
     assert vars(view)["rollout_batch_size"] == 4 and vars(view)["sglang_router_port"] == 3000
     for snapshot in (copy.copy(view), copy.deepcopy(view), pickle.loads(pickle.dumps(view))):
         assert type(snapshot) is argparse.Namespace and snapshot.sglang_router_ip == "10.0.0.2"

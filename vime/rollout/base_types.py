@@ -23,7 +23,7 @@ def call_rollout_fn(
     run_context: RunContext,
 ) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
     """Call a rollout (``evaluation=False``) or eval function, one of vime's with ``run_context=`` and one with slime's
-    signature with the read-only view of ``args`` (:func:`~vime.utils.run_context.call_plugin`), and return its
+    signature with the plug-in view of ``args`` (:func:`~vime.utils.run_context.call_plugin`), and return its
     output as vime's type, as slime does:
     a bare ``list[list[Sample]]`` becomes ``RolloutFnTrainOutput(samples=...)`` and a bare ``{name: {...}}`` dict
     ``RolloutFnEvalOutput(data=...)``. A group may nest lists of samples (a generate function that returned several

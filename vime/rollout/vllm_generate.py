@@ -312,7 +312,7 @@ async def _rewarded(
     ``--rollout-sample-hook-path`` hook (slime: ``hook(args, sample, *, rollout_id, evaluation)``, sync or async,
     returning a replacement Sample or None to keep the one it may have changed). As in slime, a sample whose reward
     a custom generate function already set (e.g. a multi-agent system scoring its agents) keeps it. ``reward=False``:
-    the hooks only. Hooks and rewards are plug-ins: they get the read-only view of ``args``."""
+    the hooks only. Hooks and rewards are plug-ins: they get the plug-in view of ``args``."""
     if any(s.status == Status.ABORTED for s in samples):
         return samples
     args = plugin_args(args, run_context)

@@ -4,7 +4,7 @@
 learns while it runs (the router's address, every model's router, the live engines, the weight versions) is the
 rollout manager's :class:`RunContext`. vime's own rollout and generate functions take it as the keyword-only argument
 ``run_context``; a plug-in with slime's signature (no such parameter) gets a :class:`PluginArgs` in place of
-``args``: a read-only view that answers every flag and, under the names slime plug-ins read, the runtime values
+``args``: a copy-on-write view that answers every flag and, under the names slime plug-ins read, the runtime values
 (``args.sglang_router_ip``/``port``, ``args.vllm_model_routers`` for ``get_model_url``, ``args.rollout_engine_urls``
 ...). :func:`call_plugin` picks between the two by the function's signature.
 """
@@ -66,17 +66,22 @@ RUNTIME_NAMES = {
 
 class PluginArgs:
     """``args`` as a plug-in with slime's signature sees it: every flag, and the runtime values under
-    :data:`RUNTIME_NAMES` (read when asked: a router restarted or an engine replaced shows at once). Read-only; a
-    copy (``copy.copy``, ``copy.deepcopy``, pickling) is a writable ``argparse.Namespace`` of the values then, and
-    ``vars(args)`` their read-only mapping."""
+    :data:`RUNTIME_NAMES` (read when asked: a router restarted or an engine replaced shows at once). What a plug-in
+    writes stays in this view (slime's plug-ins keep state on ``args``, and some adjust a flag for their own calls,
+    e.g. the multi-agent example's ``args.rollout_max_context_len``): it shadows the flag for whoever reads this view
+    and never reaches the run's configuration. A copy (``copy.copy``, ``copy.deepcopy``, pickling) is a writable
+    ``argparse.Namespace`` of the values then, and ``vars(args)`` their read-only mapping."""
 
-    __slots__ = ("_args", "_run")
+    __slots__ = ("_args", "_run", "_own")
 
     def __init__(self, args: argparse.Namespace, run_context: RunContext):
         object.__setattr__(self, "_args", args)
         object.__setattr__(self, "_run", run_context)
+        object.__setattr__(self, "_own", {})  # what the plug-in wrote
 
     def __getattr__(self, name: str) -> Any:
+        if name in self._own:
+            return self._own[name]
         if name in RUNTIME_NAMES:
             value = getattr(self._run, RUNTIME_NAMES[name])
             return (
@@ -85,13 +90,17 @@ class PluginArgs:
         return getattr(self._args, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(_read_only(name))
+        self._own[name] = value
 
     def __delattr__(self, name: str) -> None:
-        raise AttributeError(_read_only(name))
+        if name not in self._own:
+            raise AttributeError(
+                f"cannot delete args.{name}: the run's configuration; a plug-in deletes only what it set"
+            )
+        del self._own[name]
 
     def __contains__(self, name: str) -> bool:
-        return name in RUNTIME_NAMES or name in vars(self._args)
+        return name in self._own or name in RUNTIME_NAMES or name in vars(self._args)
 
     @property
     def __dict__(self) -> types.MappingProxyType:  # vars(args)
@@ -101,22 +110,14 @@ class PluginArgs:
         return argparse.Namespace, (), self._values()
 
     def __repr__(self) -> str:
-        return f"PluginArgs({self._args!r}, {self._run!r})"
+        return f"PluginArgs({self._args!r}, {self._run!r}, own={self._own!r})"
 
     def _values(self) -> dict[str, Any]:
-        return {**vars(self._args), **{name: getattr(self, name) for name in RUNTIME_NAMES}}
-
-
-def _read_only(name: str) -> str:
-    return (
-        f"cannot set args.{name}: the args vime hands a plug-in are the run's configuration, read-only (the router's "
-        "address and the live engines are read through them); keep the plug-in's own state elsewhere, or work on a "
-        "copy (copy.copy(args) is a writable argparse.Namespace)"
-    )
+        return {**vars(self._args), **{name: getattr(self, name) for name in RUNTIME_NAMES}, **self._own}
 
 
 def plugin_args(args: argparse.Namespace | PluginArgs, run_context: RunContext) -> PluginArgs:
-    """The read-only view of ``args`` and ``run_context`` (``args`` itself when it already is one)."""
+    """The plug-in view of ``args`` and ``run_context`` (``args`` itself when it already is one)."""
     return args if isinstance(args, PluginArgs) else PluginArgs(args, run_context)
 
 
@@ -157,7 +158,7 @@ def call_plugin(
     **kwargs: Any,
 ) -> Any:
     """Call a rollout, eval or generate function: one of vime's (a keyword-only ``run_context``) with the parsed
-    flags and ``run_context=``; one with slime's signature with the read-only view in place of ``args``."""
+    flags and ``run_context=``; one with slime's signature with the plug-in view in place of ``args``."""
     if takes_run_context(fn):
         return fn(configuration(args), *positional, run_context=run_context, **kwargs)
     return fn(plugin_args(args, run_context), *positional, **kwargs)
