@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
+from conftest import POOL_CONTEXT
 
 from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.router import register_workers
@@ -95,8 +96,8 @@ def test_a_request_on_a_hung_engine_comes_back_through_the_timeout_and_a_too_lon
         await register_workers(router.url, [hung.url, live.url])
         try:
             too_long = await generate(
-                args, Sample(index=0, tokens=[5] * 600), dict(params)
-            )  # contexts 256, 512
+                args, Sample(index=0, tokens=[5] * (POOL_CONTEXT + 52)), dict(params)
+            )  # contexts 256 (the hung engine) and POOL_CONTEXT (the pool)
             warm = await asyncio.gather(*(generate(args, sample, dict(params)) for sample in prompts()))
             before = await counts()
             with sigstopped(hung):
@@ -115,9 +116,10 @@ def test_a_request_on_a_hung_engine_comes_back_through_the_timeout_and_a_too_lon
 
     assert too_long.status == Status.FAILED and too_long.remove_sample and too_long.response_length == 0
     assert re.search(
-        r"BadRequestError: This model's maximum context length is (256|512) tokens", too_long.failure_reason
+        rf"BadRequestError: This model's maximum context length is (256|{POOL_CONTEXT}) tokens",
+        too_long.failure_reason,
     )
-    assert "your prompt contains 600 input tokens" in too_long.failure_reason
+    assert f"your prompt contains {POOL_CONTEXT + 52} input tokens" in too_long.failure_reason
     samples = warm + [sample for sample, _ in results]
     for sample in samples:
         assert sample.status in (Status.COMPLETED, Status.TRUNCATED), sample.failure_reason
