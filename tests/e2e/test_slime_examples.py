@@ -26,6 +26,7 @@ import torch
 import yaml
 from conftest import new_marker, read_metrics, run_env, wait_until_no_marked_processes
 from slime_port import StandInService, fit_to_tiny, flag_value, importable, renamed_examples, script_arrays
+from test_examples import mask_runs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vime.backends.vllm_utils.control_client import EngineGroup
@@ -81,16 +82,6 @@ def train(script: str, argv: list[str], cwd: Path, marker: str, **env: str) -> l
     assert result.returncode == 0, result.stderr[-3000:]
     assert wait_until_no_marked_processes(marker, timeout=30) == []
     return read_metrics(cwd / "logs")
-
-
-def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
-    """(value, start, end) of each run of equal loss-mask values."""
-    runs, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            runs.append((mask[start], start, i))
-            start = i
-    return runs
 
 
 # ------------------------------------------------------------------------------------------------------------ search-r1
