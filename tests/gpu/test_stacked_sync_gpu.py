@@ -82,7 +82,7 @@ def test_stacked_sync_matches_the_trainers_log_probs(model_dir, trainer, transpo
     sample = Sample(index=0, tokens=SEQUENCE, response_length=len(SEQUENCE) - 1, status=Status.COMPLETED)
     with VLLMEngine(args, log_path=log, extra_args=EXTENSION, env={"CUDA_VISIBLE_DEVICES": gpu}) as engine:
         engine.wait_ready_sync(900)
-        perturb(trainer.module, torch.Generator(device="cuda").manual_seed(1))
+        perturb(trainer.module, torch.Generator(device="cuda").manual_seed(1), built=[])
         want = trainer.compute_log_probs([sample])[0]
         stale = float((engine_log_probs(engine.url, str(model_dir)) - want).abs().mean())
         metrics = sync_weights_from_trainer(trainer, 0, args, [engine.url], version=1, disk_dir=None)
