@@ -22,6 +22,7 @@ from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine_fleet import EngineHandle, EngineLauncher, LocalEngines
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
 from vime.backends.vllm_utils.external_engines import external_engines
+from vime.backends.vllm_utils.generate_api import ENGINE_FLAG as GENERATE_ENGINE_FLAG
 from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
 from vime.backends.vllm_utils.router import RouterProcess, connect_router, register_workers
 from vime.rollout.base_types import call_rollout_fn
@@ -30,6 +31,7 @@ from vime.rollout.lifecycle import RolloutFunctions
 from vime.rollout.sample_metrics import sample_metrics
 from vime.rollout.vllm_generate import close_contexts
 from vime.utils.async_utils import run
+from vime.utils.inflight import records_token_versions
 from vime.utils.misc import load_function
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 from vime.utils.vllm_config import engine_specs, serving_config
@@ -107,6 +109,8 @@ class RolloutManager:
         if self.args.use_rollout_routing_replay:  # the engines return the experts they route each token to
             flags, self._engine_env = routed_experts_engine_options(on_gpu)
             extra_args += flags
+        if records_token_versions(self.args):  # vLLM's generate route: the weight version of each token
+            extra_args.append(GENERATE_ENGINE_FLAG)
         if self.args.offload_rollout:
             if not self.launcher.on_gpu:
                 raise ValueError(

@@ -27,11 +27,13 @@ from typing import Any
 
 import aiohttp
 
+from vime.backends.vllm_utils import generate_api
 from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
 from vime.backends.vllm_utils.routed_experts import apply_choice_routing
 from vime.backends.vllm_utils.router import RouterError, list_workers
 from vime.rollout.rm_hub import reward_samples
 from vime.utils import http_utils
+from vime.utils.inflight import records_token_versions
 from vime.utils.misc import load_function
 from vime.utils.sglang_compat import SamplingParams
 from vime.utils.types import Sample, Status
@@ -106,16 +108,19 @@ class RolloutContext:
         self.requeued_samples = 0
 
     async def completion(self, payload: dict[str, Any], engine_url: str | None = None) -> dict[str, Any]:
-        """POST ``/v1/completions`` through the router (or straight to ``engine_url``); the decoded answer.
+        """POST ``/v1/completions`` (vLLM's generate route with ``--flush-cache-interval``: ``generate_api``) through
+        the router (or straight to ``engine_url``); the decoded answer, as a completion's.
 
         Raises :class:`SampleGenerationError` when vLLM refused the request (a 4xx with vLLM's error body),
         :class:`RetryableRequestError` on a router error or a lost connection, :class:`RequestTimeoutError` after
         ``--rollout-request-timeout`` (the connection is closed, which aborts the request on its engine), and
         :class:`RolloutError` on any other 4xx (a malformed request: sending it again would not help)."""
-        url = f"{engine_url or self.router_url}/v1/completions"
+        per_token_versions = records_token_versions(self.args)  # vLLM's generate route reports them
+        url = f"{engine_url or self.router_url}{generate_api.GENERATE_PATH if per_token_versions else '/v1/completions'}"
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                async with self.session.post(url, json=payload) as response:
+                body = generate_api.generate_body(payload) if per_token_versions else payload
+                async with self.session.post(url, json=body) as response:
                     body = await response.text()
         except TimeoutError as exc:
             raise RequestTimeoutError(
@@ -126,7 +131,7 @@ class RolloutContext:
             raise RetryableRequestError(f"lost {where} at {url} ({type(exc).__name__}: {exc})") from exc
         status = response.status
         if status < 400:
-            return json.loads(body)
+            return generate_api.as_completion(json.loads(body)) if per_token_versions else json.loads(body)
         vllm_reason = vllm_error_message(body)
         if status < 500 and status not in _ROUTER_QUEUE_STATUSES:
             if vllm_reason is not None:
@@ -279,7 +284,8 @@ def _completion_payload(args, prompt: list[int], sampling_params: dict[str, Any]
 
 def _apply_choice(args, sample: Sample, choice: dict[str, Any], weight_version: int) -> Sample:
     """Append one returned completion choice (tokens, log-probs, text, finish reason and, with
-    ``--use-rollout-routing-replay``, the routed experts) to ``sample``, generated from ``weight_version`` on."""
+    ``--use-rollout-routing-replay``, the routed experts) to ``sample``, generated from ``weight_version`` on (by
+    the versions its ``weight_versions`` spans name, with ``--flush-cache-interval``)."""
     token_ids = choice.get("token_ids") or []
     log_probs = (choice.get("logprobs") or {}).get("token_logprobs") or []
     if len(log_probs) != len(token_ids):
@@ -291,8 +297,10 @@ def _apply_choice(args, sample: Sample, choice: dict[str, Any], weight_version: 
                 f"engine returned {len(token_ids)} tokens but {len(top_logprobs)} top log-probs"
             )
         append_sampler_heads(sample, top_logprobs, args.score_centering_top_k)
+    spans, versions = generate_api.token_version_spans(choice, sample.response_length, weight_version)
     append_response(sample, token_ids, log_probs, choice.get("text") or "", trainable=True)
-    sample.weight_versions.append(weight_version)
+    sample.weight_version_spans += spans
+    sample.weight_versions += versions
     sample.status = Status.from_finish_reason(choice.get("finish_reason"))
     has_routing = apply_choice_routing(sample, choice)
     if (
@@ -322,7 +330,8 @@ async def _request(
 
     The version is read when the request is sent, not when it returns: a weight sync while it runs pauses the
     engines in place and resumes them on the new weights, so its first tokens come from the older version (a
-    request sent while a sync is under way counts as the older version too: a conservative stamp)."""
+    request sent while a sync is under way counts as the older version too: a conservative stamp). With
+    ``--flush-cache-interval`` the engines report the version of each token instead."""
     async with ctx.semaphore:
         give_up_at = None
         engine_url = None  # through the router until a timeout
@@ -474,7 +483,7 @@ def reset_to_prompt(sample: Sample) -> Sample:
     sample.response, sample.response_length = "", 0
     sample.loss_mask = sample.rollout_log_probs = sample.reward = sample.rollout_routed_experts = None
     sample.rollout_topk_token_ids = sample.rollout_topk_log_probs = None
-    sample.weight_versions = []
+    sample.weight_versions, sample.weight_version_spans = [], []
     sample.status, sample.failure_reason = Status.PENDING, None
     return sample
 

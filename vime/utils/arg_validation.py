@@ -13,6 +13,7 @@ import yaml
 
 from vime.utils.backend_flags import check_backend_flags
 from vime.utils.eval_config import load_eval_configs
+from vime.utils.inflight import check_flush_cache_interval
 from vime.utils.rm_types import check_rm_type
 from vime.utils.slime_names import set_slime_names
 from vime.utils.vllm_config import check_external_engines, check_vllm_config
@@ -61,6 +62,7 @@ def finalize_args(args: argparse.Namespace) -> None:
     _check_cluster(args)
     _check_data(args)
     _check_backend(args)
+    check_flush_cache_interval(args)
     _check_fully_async(args)
     _check_slime_flags(args)
     set_slime_names(args)
