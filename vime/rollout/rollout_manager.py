@@ -314,9 +314,10 @@ class RolloutManager:
             self.data_source.load(rollout_id, load_dir)
             self.functions.load(rollout_id, load_dir)
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_engines: bool = False) -> None:
         """Stop the rollout functions (their ``stop`` hooks), close the rollout's HTTP sessions, stop the router (if
-        vime started it) and every engine."""
+        vime started it) and every engine (``keep_engines``: leave the engines serving, for a resubmitted run of the
+        same ``--rollout-session-id``)."""
         if self.monitor is not None:
             self.monitor.stop()
             self.router = self.monitor.router if self.router is not None else None  # a restarted one
@@ -330,6 +331,8 @@ class RolloutManager:
         engines = self.engines + [
             engine for model_engines, _ in self.frozen.values() for engine in model_engines
         ]
+        if keep_engines:
+            engines = []
         # all at once: each may wait out its grace time
         with concurrent.futures.ThreadPoolExecutor(max(1, len(engines))) as pool:
             list(pool.map(lambda engine: engine.stop(), engines))
