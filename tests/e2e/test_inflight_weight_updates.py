@@ -12,7 +12,6 @@ log-probs (so they were sampled by version 2, from the first token of the span o
 from __future__ import annotations
 
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -45,17 +44,6 @@ def _args(model_dir: Path, tmp_path: Path, pool: EnginePool):
             "--flush-cache-interval", str(INTERVAL),
         ]
     )  # fmt: skip
-
-
-def _generated_tokens(urls: list[str]) -> float:
-    """Output tokens the engines have generated so far (vLLM's Prometheus counter)."""
-    total = 0.0
-    for url in urls:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith("vllm:generation_tokens_total"):
-                    total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _no_residual_updates(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -95,6 +83,9 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
     manager.functions.rollout = rollout  # the manager calls its hooks around each sync, as in a run
     rollout.worker = worker = FullyAsyncWorker(args, manager.data_source)
     worker.params["ignore_eos"] = True  # every response runs its full length
+    # one rollout's groups at a time: those in flight when a batch returns are the next ones, just started (more groups
+    # ahead would finish together with the batch)
+    worker.max_in_flight = 2
 
     def sync(version: int, weights: dict[str, torch.Tensor]) -> dict[str, float]:
         """What a run's weight update does around the protocol (vime.ray.weight_update), on the pooled engines."""
@@ -110,28 +101,28 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
         manager.set_weight_version(version)
         return metrics
 
-    def hold_mid_generation() -> None:
-        """Once the next rollout's groups are in flight and have generated some tokens, pause the engines in place
-        (as the sync's own pause does, only before it writes the weights out: a fast engine could finish meanwhile)."""
-        deadline = time.monotonic() + 120
+    def hold_mid_generation(batch_s: float) -> None:
+        """A third of the way through the next rollout's groups (a batch took ``batch_s``; they start as it returns),
+        pause the engines in place: as the sync's own pause does, only before it writes the weights out, during which
+        a fast engine could finish them. (vLLM's token counters lag, so they cannot tell how far the groups are.)"""
+        deadline = time.monotonic() + 60
         while not worker.in_flight:
             assert time.monotonic() < deadline, "no group in flight"
             time.sleep(0.01)
-        started = _generated_tokens(manager.engine_urls())
-        while _generated_tokens(manager.engine_urls()) < started + 16:
-            assert time.monotonic() < deadline, "the groups in flight generate nothing"
-            time.sleep(0.01)
+        time.sleep(batch_s / 3)
         with EngineGroup(manager.engine_urls()) as engines:
             engines.run(lambda engine: engine.pause(mode="keep"))
 
     try:
         assert sync(1, base)["weight_sync/full_refresh"] == 1.0
+        started = time.monotonic()
         first = manager.generate(0, train_version=1)
+        batch_s = time.monotonic() - started
         assert all(s.weight_version_spans == [[1, 0, RESPONSE_TOKENS]] for g in first.samples for s in g)
 
         crossed: list[Sample] = []
         for rollout_id in (1, 2, 3):  # a sync that lands after every request finished is tried again
-            hold_mid_generation()
+            hold_mid_generation(batch_s)
             assert sync(2, flat)["weight_sync/full_refresh"] == 0.0
             batch = manager.generate(rollout_id, train_version=2)
             crossed = [s for g in batch.samples for s in g if s.weight_versions == [1, 2]]
@@ -147,7 +138,7 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
             before = _span_errors(sample, table, 0, boundary)
             assert sum(before) / len(before) > 0.05, before
 
-        hold_mid_generation()
+        hold_mid_generation(batch_s)
         assert sync(3, base)["weight_sync/full_refresh"] == 1.0  # aborts the groups in flight
         refreshed = manager.generate(4, train_version=3)
         assert refreshed.metrics["fully_async/aborted_groups"] >= 1
