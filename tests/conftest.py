@@ -17,7 +17,8 @@ from collections import defaultdict
 import psutil
 import pytest
 
-ENGINE_COMMAND = "vllm.entrypoints.openai.api_server"
+from vime.backends.vllm_utils.engine import SERVER_MODULES
+
 WORKER_ENV = "VIME_TEST_WORKER"
 
 
@@ -52,7 +53,7 @@ class EngineCounter:
             try:
                 cmdline = proc.cmdline()
                 # the server itself (not its process guard)
-                if cmdline[1:3] == ["-m", ENGINE_COMMAND] and self._mine(proc):
+                if cmdline[1:2] == ["-m"] and cmdline[2:3] and cmdline[2] in SERVER_MODULES and self._mine(proc):
                     key = (proc.pid, proc.create_time())
                     if key not in self.seen:
                         self.seen.add(key)

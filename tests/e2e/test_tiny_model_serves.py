@@ -1,5 +1,5 @@
 """The tiny model serves in a real vLLM server: token-in/token-out with log-probs, both eos ids stop, the
-server's chat template matches the tokenizer's, and stopping the server leaves no process behind."""
+server's chat template matches the tokenizer's, its engine core is forked (vime's CPU server), and stopping the server leaves no process behind."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ def test_tiny_model_serves_tokens_and_logprobs(tiny_model_dir, engine_factory):
 
     children = psutil.Process(engine.proc.pid).children(recursive=True)
     assert children, "expected vLLM's engine-core process under the API server"
+    # on CPU the engine core is forked from the server (vime.backends.vllm_utils.cpu_server): a spawning server also
+    # starts multiprocessing's resource tracker, and its core imports vLLM a second time
+    (server,) = [c for c in children if "vime.backends.vllm_utils.cpu_server" in c.cmdline()]
+    assert [c.name() for c in server.children()] == ["VLLM::EngineCore"], [c.cmdline() for c in server.children()]
     engine.stop()
     assert engine.proc.returncode is not None
     assert engine.live_processes() == []

@@ -24,6 +24,7 @@ from vime.backends.vllm_utils.engine import (
     build_engine_command,
     build_engine_env,
     check_private_host,
+    server_module,
 )
 from vime.backends.vllm_utils.router import RouterProcess, build_router_command, router_executable
 from vime.utils.arguments import parse_args
@@ -44,7 +45,7 @@ def test_engine_command_has_vime_flags_then_extra_then_passthrough_in_order():
     )
     cmd = build_engine_command(args, "127.0.0.1", 8123, extra_args=["--worker-extension-cls", "x.Y"])
     assert cmd == [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", server_module(),
         "--model", "/models/tiny", "--host", "127.0.0.1", "--port", "8123", "--seed", "7",
         "--tensor-parallel-size", "1", "--logprobs-mode", "processed_logprobs",
         "--middleware", "vime.backends.vllm_utils.control_auth.require_control_secret",
@@ -316,3 +317,25 @@ def test_control_client_requests_and_errors():
         ("GET", "/is_sleeping", [], None),
         ("POST", "/broken", [], None),
     ]
+
+
+def test_cpu_server_puts_fork_back_after_vllms_cpu_platform_chose_spawn(monkeypatch):
+    from vllm.platforms.cpu import CpuPlatform
+
+    from vime.backends.vllm_utils import cpu_server
+
+    def vllms_adjustment(cls, vllm_config) -> None:  # what vLLM's CPU platform does to the method
+        os.environ[cpu_server.METHOD_ENV] = "spawn"
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(vllms_adjustment))
+    monkeypatch.delenv(cpu_server.METHOD_ENV, raising=False)
+    cpu_server.keep_fork()
+    CpuPlatform.check_and_update_config(None)
+    assert os.environ[cpu_server.METHOD_ENV] == "fork"
+
+    # a method the user chose stays
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(vllms_adjustment))
+    monkeypatch.setenv(cpu_server.METHOD_ENV, "forkserver")
+    cpu_server.keep_fork()
+    CpuPlatform.check_and_update_config(None)
+    assert os.environ[cpu_server.METHOD_ENV] == "spawn"  # vLLM's own choice, untouched by vime
