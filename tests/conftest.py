@@ -53,7 +53,12 @@ class EngineCounter:
             try:
                 cmdline = proc.cmdline()
                 # the server itself (not its process guard)
-                if cmdline[1:2] == ["-m"] and cmdline[2:3] and cmdline[2] in SERVER_MODULES and self._mine(proc):
+                if (
+                    cmdline[1:2] == ["-m"]
+                    and cmdline[2:3]
+                    and cmdline[2] in SERVER_MODULES
+                    and self._mine(proc)
+                ):
                     key = (proc.pid, proc.create_time())
                     if key not in self.seen:
                         self.seen.add(key)

@@ -53,7 +53,9 @@ def test_tiny_model_serves_tokens_and_logprobs(tiny_model_dir, engine_factory):
     # on CPU the engine core is forked from the server (vime.backends.vllm_utils.cpu_server): a spawning server also
     # starts multiprocessing's resource tracker, and its core imports vLLM a second time
     (server,) = [c for c in children if "vime.backends.vllm_utils.cpu_server" in c.cmdline()]
-    assert [c.name() for c in server.children()] == ["VLLM::EngineCore"], [c.cmdline() for c in server.children()]
+    assert [c.name() for c in server.children()] == ["VLLM::EngineCore"], [
+        c.cmdline() for c in server.children()
+    ]
     engine.stop()
     assert engine.proc.returncode is not None
     assert engine.live_processes() == []
