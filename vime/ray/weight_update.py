@@ -78,9 +78,10 @@ class WeightUpdate:
             if self.args.check_weight_update_equal
             else None
         )
-        if rollout_weights:
-            return self.actor.push_rollout_weights(urls, version, self.sync_dir, tokens)
-        metrics = self.actor.sync_weights(urls, version, self.sync_dir)
+        with self.manager.control():
+            if rollout_weights:
+                return self.actor.push_rollout_weights(urls, version, self.sync_dir, tokens)
+            metrics = self.actor.sync_weights(urls, version, self.sync_dir)
         return metrics, None if tokens is None else self.actor.sequence_log_probs(tokens)
 
     def _push_to_all(self, version: int) -> tuple[dict[str, float], list[float] | None, list[str]]:

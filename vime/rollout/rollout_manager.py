@@ -12,6 +12,7 @@ those from ``args``.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import random
@@ -275,12 +276,17 @@ class RolloutManager:
         if self.monitor is not None:
             self.monitor.ensure_healthy()
 
+    def control(self) -> contextlib.AbstractContextManager:
+        """Around a control operation on the policy's engines (a weight sync, sleep, wake-up): the health checks of
+        ``--use-fault-tolerance`` leave their busy engine cores alone meanwhile."""
+        return self.monitor.control() if self.monitor is not None else contextlib.nullcontext()
+
     def sleep(self) -> None:
         """Free the engines' GPU memory for training (``--offload-rollout``): the weights and the KV cache are
         dropped (level 2: every weight comes back with the next sync, so none is copied to host memory and back).
         A no-op when they already sleep."""
         if not self.sleeping:
-            with EngineGroup(self.engine_urls()) as engines:
+            with self.control(), EngineGroup(self.engine_urls()) as engines:
                 engines.run(lambda engine: engine.sleep(level=2))
             self.sleeping = {"weights", "kv_cache"}
 
@@ -289,7 +295,7 @@ class RolloutManager:
         ``kv_cache``."""
         tags = [tag for tag in tags if tag in self.sleeping]
         if tags:
-            with EngineGroup(self.engine_urls()) as engines:
+            with self.control(), EngineGroup(self.engine_urls()) as engines:
                 engines.run(lambda engine: engine.wake_up(tags))
             self.sleeping -= set(tags)
 

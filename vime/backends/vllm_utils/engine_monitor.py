@@ -1,8 +1,11 @@
 """``--use-fault-tolerance``: a health monitor that replaces dead or hung engines (DESIGN.md §4).
 
 A background thread checks every engine each ``--rollout-health-check-interval`` seconds (after
-``--rollout-health-check-first-wait``): its process must be alive and ``GET /health`` must answer 200 within
-``--rollout-health-check-timeout`` seconds, so a hung (e.g. SIGSTOPped) server counts as dead. A dead engine is
+``--rollout-health-check-first-wait``): its process must be alive, ``GET /health`` must answer 200 within
+``--rollout-health-check-timeout`` seconds, so a hung (e.g. SIGSTOPped) server counts as dead, and so must the engine
+core behind it (``GET /is_paused``, a call into the core: vLLM's ``/health`` only reports a core that crashed, not one
+that hangs). The core is not asked while the engines run a control operation (:meth:`EngineMonitor.control`: a weight
+sync, sleep or wake-up keeps it busy for as long as it takes; those calls have their own timeouts). A dead engine is
 taken out of the router at once, stopped (its process group killed), and a new engine starts in the same slot
 (the same GPUs; on a cluster a new actor in the same bundle: an engine whose actor died counts as dead) on a new
 port. Nothing waits for it to start: weight syncs and rollouts go on with the other engines, and a later check
@@ -18,12 +21,14 @@ that vime started and that dies is restarted on its address with every admitted 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+from vime.backends.vllm_utils import control_auth
 from vime.backends.vllm_utils.engine import ServerProcess
 from vime.backends.vllm_utils.engine_fleet import EngineHandle
 from vime.backends.vllm_utils.router import RouterProcess, register_workers, unregister_worker
@@ -62,6 +67,7 @@ class EngineMonitor:
         self.waiting_for_weights: set[int] = set()
         self.restarts = [0] * len(engines)
         self.fatal: BaseException | None = None
+        self.controlling = 0  # control operations under way (:meth:`control`): the engine cores are not asked
         self.time_lost_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="vime-engine-monitor", daemon=True)
@@ -117,6 +123,18 @@ class EngineMonitor:
     def _live_urls(self) -> list[str]:  # under self.lock
         return [engine.url for slot, engine in enumerate(self.engines) if slot not in self.starting]
 
+    @contextlib.contextmanager
+    def control(self) -> Iterator[None]:
+        """Around a control operation on the engines (weight sync, sleep, wake-up): their cores are busy with it, so
+        the checks meanwhile ask only the API servers."""
+        with self.lock:
+            self.controlling += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.controlling -= 1
+
     def ensure_healthy(self) -> None:
         """Check every engine now: replace the dead ones, note the replacements that came up (before a weight
         sync, so it reaches every engine that is up). Never waits for a replacement to start."""
@@ -145,7 +163,7 @@ class EngineMonitor:
                 try:
                     if slot in self.starting:
                         self._check_start(slot)
-                    elif not self._healthy(self.engines[slot]):
+                    elif not self._healthy(self.engines[slot]) or not self._core_answers(self.engines[slot]):
                         self._replace(slot)
                 except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                     self.fatal = e
@@ -159,6 +177,13 @@ class EngineMonitor:
                 return resp.status == 200
         except OSError:
             return False
+
+    def _core_answers(self, engine: EngineHandle) -> bool:
+        """The engine core answers a call within ``--rollout-health-check-timeout`` (True while :meth:`control`)."""
+        with self.lock:
+            if self.controlling:
+                return True
+        return core_answers(engine.url, self.args.rollout_health_check_timeout)
 
     def _restart_router(self) -> None:
         """A dead router comes back on its address (the rollout keeps its URL) with every admitted engine."""
@@ -228,3 +253,17 @@ class EngineMonitor:
             logger.warning("engine %d is up at %s; it rejoins after the next weight sync", slot, engine.url)
         elif not engine.is_alive() or time.monotonic() - launched > self.args.engine_start_timeout:
             self._replace(slot)
+
+
+def core_answers(url: str, timeout_s: float) -> bool:
+    """The engine at ``url`` gets an answer from its engine core (``GET /is_paused``, a call into the core that vLLM's
+    ``/health`` does not make) within ``timeout_s``."""
+    request = urllib.request.Request(
+        url + "/is_paused", headers={control_auth.HEADER: control_auth.run_secret()}
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
