@@ -57,7 +57,7 @@ def check_memory_plan(trainer) -> MemoryPlan | None:
             ) from e
         probes.append(MemoryProbe(size, torch.cuda.max_memory_allocated()))
     torch.cuda.empty_cache()
-    missing = unallocated_optimizer_state_bytes(torch_optimizers(trainer.optimizer))
+    missing = unallocated_optimizer_state_bytes(torch_optimizers(trainer.optimizer), "cuda")
     plan = plan_memory(*probes, tokens, resident, missing, available)
     any_over = _world_max([0 if plan.fits else 1])[0]
     if plan.fits and not any_over:

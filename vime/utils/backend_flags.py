@@ -13,9 +13,6 @@ logger = logging.getLogger(__name__)
 MEGATRON_UNSUPPORTED = {
     "decoder_first_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
     "decoder_last_pipeline_num_layers": "uneven pipeline stages (vime splits the layers evenly)",
-    "optimizer_cpu_offload": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
-    "overlap_cpu_optimizer_d2h_h2d": "a CPU optimizer (use --offload-train to free GPU memory during rollout)",
-    "use_precision_aware_optimizer": "the precision-aware optimizer (it needs TransformerEngine)",
 }
 # flags that describe Qwen3-Next / Qwen3.5 (gated DeltaNet hybrids): the fsdp backend takes the model from config.json;
 # the Megatron backend cannot build it (hf_config.MEGATRON_REFUSED says why)
@@ -68,6 +65,7 @@ def check_backend_flags(args: argparse.Namespace) -> None:
     _check_layer_implementation(args)
     _check_model_family_flags(args)
     _check_recompute(args)
+    _check_optimizer_offload(args)
     if args.train_backend == "fsdp":
         _check_fsdp(args)
 
@@ -204,3 +202,73 @@ def _check_fsdp(args: argparse.Namespace) -> None:
             "--use-distributed-optimizer: the fsdp backend always shards the optimizer state (with the parameters "
             "and gradients) over the data-parallel ranks"
         )
+
+
+def _check_optimizer_offload(args: argparse.Namespace) -> None:
+    """slime's CPU optimizer flags, as Megatron-LM validates them for slime: the Megatron backend builds
+    Megatron-Core's hybrid CPU/GPU optimizer (``HybridDeviceOptimizer``) from them; the fsdp backend refuses them."""
+    offload, overlap = args.optimizer_cpu_offload, args.overlap_cpu_optimizer_d2h_h2d
+    precision_aware, fraction = args.use_precision_aware_optimizer, args.optimizer_offload_fraction
+    given = [
+        flag
+        for flag, on in (
+            ("--optimizer-cpu-offload", offload),
+            ("--overlap-cpu-optimizer-d2h-h2d", overlap),
+            ("--use-precision-aware-optimizer", precision_aware),
+            (f"--optimizer-offload-fraction {fraction}", fraction != 1.0),
+        )
+        if on
+    ]
+    if given and args.train_backend == "fsdp":
+        raise ValueError(
+            f"{', '.join(given)}: Megatron-Core's hybrid CPU/GPU optimizer, which the fsdp backend does not have "
+            "(FSDP2's CPUOffloadPolicy would move the parameters and gradients to the CPU too, a different trade "
+            "vime does not offer); use --train-backend megatron, or --offload-train to free the training GPU "
+            "memory while the engines generate"
+        )
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(
+            f"--optimizer-offload-fraction {fraction}: the share of the parameters (by size) whose optimizer state "
+            "and step are on the CPU, from 0 to 1 (1, the default: all of them)"
+        )
+    if not offload:
+        if overlap or fraction != 1.0:
+            raise ValueError(
+                f"{', '.join(given)} without --optimizer-cpu-offload: these tune the CPU optimizer, which only "
+                "--optimizer-cpu-offload turns on; add it or drop them"
+            )
+        if precision_aware:
+            raise ValueError(
+                "--use-precision-aware-optimizer without --optimizer-cpu-offload: on the GPU, Megatron-Core's "
+                "precision-aware optimizer is TransformerEngine's FusedAdam (master weights and decoupled "
+                "gradients inside the Adam kernel), and vime runs without TransformerEngine; add "
+                "--optimizer-cpu-offload (Megatron-Core's hybrid CPU optimizer implements it in PyTorch, as in "
+                "slime's recipes) or drop the flag"
+            )
+        return
+    missing = []
+    if not precision_aware:
+        missing.append(
+            "--use-precision-aware-optimizer (Megatron-LM, which validates slime's flags, requires the pair: on that "
+            "path the hybrid optimizer holds the fp32 master weights itself; without it they stay on the GPU in the "
+            "distributed optimizer, and a weight reload reaches neither them nor the optimizer's CPU copies)"
+        )
+    if not args.bf16:
+        missing.append(
+            "--bf16 (Megatron-Core 0.19's hybrid optimizer keeps fp32 master copies of bf16 weights only: with fp32 "
+            "weights its checkpoint load fails and a weight reload misses its CPU copies; slime always trains in "
+            "bf16)"
+        )
+    if missing:
+        raise ValueError(f"--optimizer-cpu-offload needs {' and '.join(missing)}; add them")
+    if args.optimizer != "adam":
+        raise ValueError(
+            f"--use-precision-aware-optimizer with --optimizer {args.optimizer}: Megatron-Core's precision-aware "
+            "optimizer is Adam only; use --optimizer adam"
+        )
+    if not args.use_distributed_optimizer:
+        logger.info(
+            "--use-precision-aware-optimizer: turns on --use-distributed-optimizer (Megatron-Core's precision-aware "
+            "path lives in its distributed optimizer; slime always uses it)"
+        )
+        args.use_distributed_optimizer = True

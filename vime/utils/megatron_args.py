@@ -273,9 +273,39 @@ _OPTIM = [
     ("--adam-beta2", dict(type=float, default=0.999, help="Adam beta2.")),
     ("--adam-eps", dict(type=float, default=1e-8, help="Adam epsilon.")),
     ("--clip-grad", dict(type=float, default=1.0, help="Global grad-norm clip (0 = off).")),
-    ("--optimizer-cpu-offload", dict(action="store_true", help="Keep optimizer state on CPU.")),
-    ("--overlap-cpu-optimizer-d2h-h2d", dict(action="store_true", help="Overlap CPU-optimizer copies.")),
-    ("--use-precision-aware-optimizer", dict(action="store_true", help="Precision-aware optimizer.")),
+    (
+        "--optimizer-cpu-offload",
+        dict(
+            action="store_true",
+            help="Megatron backend: Adam's fp32 master weights and moments and its step on the CPU (Megatron-Core's "
+            "hybrid CPU/GPU optimizer); needs --use-precision-aware-optimizer and --bf16, as in Megatron-LM.",
+        ),
+    ),
+    (
+        "--optimizer-offload-fraction",
+        dict(
+            type=float,
+            default=1.0,
+            help="With --optimizer-cpu-offload: the share of the parameters (by size) whose optimizer state and "
+            "step go to the CPU; the rest stay on the GPU.",
+        ),
+    ),
+    (
+        "--overlap-cpu-optimizer-d2h-h2d",
+        dict(
+            action="store_true",
+            help="With --optimizer-cpu-offload: one CPU optimizer per parameter, so gradient copies to the host and "
+            "weight copies back overlap the CPU steps.",
+        ),
+    ),
+    (
+        "--use-precision-aware-optimizer",
+        dict(
+            action="store_true",
+            help="With --optimizer-cpu-offload: the optimizer holds the fp32 master weights (off the GPU). On the "
+            "GPU alone it is TransformerEngine's FusedAdam, which vime does not use (refused).",
+        ),
+    ),
     (
         "--micro-batch-size",
         dict(type=int, default=1, help="Samples per micro-batch (without dynamic batching)."),

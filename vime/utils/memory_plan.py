@@ -83,15 +83,18 @@ def plan_memory(
     )
 
 
-def unallocated_optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+def unallocated_optimizer_state_bytes(
+    optimizers: list[torch.optim.Optimizer], device_type: str | None = None
+) -> int:
     """Bytes of optimizer state the first step will create: two moments per parameter for Adam-like optimizers
-    (``betas``), one for SGD with momentum, for every parameter that has no state yet (local shards for DTensors)."""
+    (``betas``), one for SGD with momentum, for every parameter that has no state yet (local shards for DTensors);
+    with ``device_type``, only for the parameters on that device (a CPU optimizer's state takes no GPU memory)."""
     total = 0
     for inner in optimizers:
         per_param = 2 if "betas" in inner.defaults else 1 if inner.defaults.get("momentum") else 0
         for group in inner.param_groups:
             for param in group["params"]:
-                if inner.state.get(param):
+                if inner.state.get(param) or (device_type and param.device.type != device_type):
                     continue
                 total += per_param * local_bytes(param)
     return total

@@ -17,7 +17,11 @@ from torch.distributed.tensor import DTensor
 
 
 def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    """The ``torch.optim`` optimizers inside ``optimizer`` (itself, or Megatron's wrappers and chains of them)."""
+    """The ``torch.optim`` optimizers inside ``optimizer`` (itself, or Megatron's wrappers and chains of them). Of
+    Megatron-Core's ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``), the CPU and GPU optimizers it steps: they
+    hold the fp32 copies and the moments, on their own devices."""
+    if hasattr(optimizer, "sub_optimizers"):
+        return list(optimizer.sub_optimizers)
     if isinstance(optimizer, torch.optim.Optimizer):
         return [optimizer]
     if hasattr(optimizer, "chained_optimizers"):

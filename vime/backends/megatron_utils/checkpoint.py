@@ -69,6 +69,16 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def _sync_hybrid_optimizer(optimizer) -> None:
+    """``--optimizer-cpu-offload``: megatron-core 0.19.2 re-syncs its ``HybridDeviceOptimizer`` after loading the
+    fully_reshardable and fs_model_space formats but not after dp_reshardable (``METADATA``): do it here, so the
+    loaded master weights reach the CPU optimizers' fp32 copies and the loaded state sits on each one's device."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if hasattr(inner, "_sync_hdo_state_to_sub_optimizers"):
+            inner._sync_hdo_state_to_sub_optimizers()
+
+
 def save(save_dir, rollout_id: int, model, optimizer, scheduler, step: int) -> Path:
     """Write ``iter_{rollout_id}`` (collective), then point ``latest_checkpointed_iteration.txt`` at it."""
     out = iteration_dir(save_dir, rollout_id)
@@ -114,6 +124,7 @@ def load(load_dir, step: int | None, model, optimizer, scheduler, load_rng: bool
     model.load_state_dict(loaded["model"], strict=False)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+        _sync_hybrid_optimizer(optimizer)
         _unshare_adam_steps(optimizer)
     vime_state = torch.load(iter_dir / "vime_state.pt", weights_only=False)
     if scheduler is not None and vime_state.get("scheduler") is not None:

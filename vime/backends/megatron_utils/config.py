@@ -163,6 +163,35 @@ def ddp_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def optimizer_config_kwargs(args: argparse.Namespace, lr: float) -> dict[str, Any]:
+    """Megatron-Core ``OptimizerConfig`` fields of the optimizer flags (``lr``: the role's peak learning rate).
+
+    ``--optimizer-cpu-offload`` makes ``get_megatron_optimizer`` build its ``HybridDeviceOptimizer``: torch's AdamW on
+    the CPU for ``--optimizer-offload-fraction`` of the parameters (one per parameter with
+    ``--overlap-cpu-optimizer-d2h-h2d``, copies on side streams), on the GPU for the rest. With
+    ``--use-precision-aware-optimizer`` (validation requires it with the offload, as Megatron-LM does) the distributed
+    optimizer hands it the bf16 weight shards and their fp32 gradients, and it keeps the fp32 master weights beside
+    the moments: off the GPU."""
+    return dict(
+        optimizer=args.optimizer,
+        lr=lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        params_dtype=compute_dtype(args),
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        # read only with the offload; the flag defaults to Megatron-LM's 1.0 (all of it), as slime passes it
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+    )
+
+
 def role_overrides(data: dict[str, Any], role: str, where: str = "--megatron-config-path") -> dict[str, Any]:
     """The flag values for ``role`` (dests), top-level keys first, then the role's own mapping."""
     if not isinstance(data, dict):

@@ -34,6 +34,7 @@ from vime.backends.megatron_utils.config import (
     compute_dtype,
     ddp_config_kwargs,
     load_hook,
+    optimizer_config_kwargs,
     role_args,
 )
 from vime.backends.megatron_utils.hf_config import check_hf_config, load_hf_config
@@ -122,19 +123,7 @@ class MegatronTrainer(TrainerBase):
         ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(args))
         self.model = DistributedDataParallel(self.config, ddp_config, module)
         self.module = module
-        optim_config = OptimizerConfig(
-            optimizer=args.optimizer,
-            lr=self.learning_rate,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad,
-            bf16=args.bf16,
-            params_dtype=self.dtype,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-        )
+        optim_config = OptimizerConfig(**optimizer_config_kwargs(args, self.learning_rate))
         self.optimizer = get_megatron_optimizer(optim_config, [self.model])
         self.scheduler = self._scheduler(self.learning_rate)
         self.step = 0
