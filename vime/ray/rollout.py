@@ -81,8 +81,7 @@ def create_rollout_manager(
         sizes = (
             [] if args.debug_train_only else [spec.num_gpus for spec in engine_specs(serving_config(args))]
         )
-        placements = engine_placements(args, bundles, slots, sizes, keep_order=args.colocate)
-        launcher = NodeEngines(placements, session=args.rollout_session_id)
+        launcher = NodeEngines(engine_placements(args, bundles, slots, sizes, keep_order=args.colocate))
     manager = RolloutManagerActor.options(scheduling_strategy=strategy).remote(
         args, log_dir, engine_extra_args, launcher
     )
@@ -94,10 +93,9 @@ def create_rollout_manager(
                 flush=True,
             )
             continue
-        kept = f", kept by session {args.rollout_session_id}" if where["runs"] > 1 else ""
         print(
             f"[vime] engine {slot} ({where['model']}): {where['url']} on node {where['node_id']} ({where['node_ip']}), "
-            f"server pid {where['server_pid']} (owned by actor pid {where['actor_pid']}{kept})",
+            f"server pid {where['server_pid']} (owned by actor pid {where['actor_pid']})",
             flush=True,
         )
     return manager
