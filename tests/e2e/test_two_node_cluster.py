@@ -39,6 +39,7 @@ from conftest import (
     wait_until_no_marked_processes,
 )
 
+from vime.backends.vllm_utils.engine import SERVER_MODULES
 from vime.backends.vllm_utils.weight_sync import HOLD_ENV
 from vime.ray.engine_actor import NodeEngines
 from vime.ray.placement_group import EnginePlacement
@@ -155,7 +156,7 @@ def _kill_actor_then_find_its_successor(
             try:
                 command = " ".join(proc.info["cmdline"] or [])
                 if (
-                    "api_server" in command
+                    any(module in command for module in SERVER_MODULES)
                     and "process_guard" not in command
                     and proc.environ().get(RUN_MARKER_ENV) == marker
                 ):

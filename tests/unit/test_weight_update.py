@@ -40,6 +40,10 @@ class FakeManager:
     def stranded_engines(self) -> list[str]:
         return self.stranded
 
+    def control(self):
+        """The push runs inside it (the engine monitor then leaves the busy cores alone): its calls are marked."""
+        return _Marked(self.calls)
+
     def wake_up(self, tags):
         self.calls.append(("wake_up", *tags))
 
@@ -55,6 +59,19 @@ class FakeManager:
 
     def set_weight_version(self, version, urls):
         self.calls.append(("set_weight_version", version, urls))
+
+
+class _Marked:
+    """Marks the calls made inside :meth:`FakeManager.control` with a trailing ``"(control)"``."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __enter__(self):
+        self.start = len(self.calls)
+
+    def __exit__(self, *exc_info):
+        self.calls[self.start :] = [(*call, "(control)") for call in self.calls[self.start :]]
 
 
 class FakeGroup:
@@ -145,7 +162,13 @@ def test_a_sync_runs_its_steps_in_order_and_checks_every_engine(args, tmp_path, 
         ("before_weight_update",),
         ("ensure_engines_healthy",),
         ("engine_urls",),
-        ("sync_weights", urls, 7, sync_dir),
+        (
+            "sync_weights",
+            urls,
+            7,
+            sync_dir,
+            "(control)",
+        ),  # the engine monitor leaves the cores alone meanwhile
         ("sequence_log_probs",),  # the trainer's side of the check, before its weights leave the GPU
         ("critic.offload",),
         ("actor.offload",),
