@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from gpu_samples import random_samples
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,17 +33,6 @@ def args(tmp_path_factory):
     )  # fmt: skip
 
 
-def _samples():
-    from vime.utils.types import Sample, Status
-
-    g = torch.Generator().manual_seed(0)
-    return [
-        Sample(index=i, tokens=torch.randint(4, 61, (p + r,), generator=g).tolist(), response_length=r,
-               reward=float(i % 2), status=Status.COMPLETED)
-        for i, (p, r) in enumerate(SHAPES)
-    ]  # fmt: skip
-
-
 def test_log_probs_match_transformers_on_gpu(args):
     from transformers import AutoModelForCausalLM
 
@@ -50,7 +40,7 @@ def test_log_probs_match_transformers_on_gpu(args):
 
     trainer = FSDPTrainer(args)
     assert trainer.device.type == "cuda"
-    samples = _samples()
+    samples = random_samples(SHAPES)
     got = trainer.compute_log_probs(samples)
     reference = AutoModelForCausalLM.from_pretrained(args.hf_checkpoint, dtype=torch.float32).cuda()
     with torch.no_grad():
@@ -70,7 +60,7 @@ def test_one_training_step_on_gpu(args, bf16):
     config = copy.deepcopy(args)
     config.bf16 = bf16
     trainer = FSDPTrainer(config)
-    samples = _samples()
+    samples = random_samples(SHAPES)
     rewards = shape_rewards(config, [samples[i : i + 2] for i in range(0, 6, 2)])
     before = {n: t.float().cpu() for b in trainer.iter_weight_buckets(1 << 30) for n, t in b}
     metrics = trainer.train(0, samples, rewards)

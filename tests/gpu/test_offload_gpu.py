@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+from gpu_samples import random_samples
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -28,17 +29,6 @@ def _args(backend, model_dir):
     return parse_args(argv)
 
 
-def _samples():
-    from vime.utils.types import Sample, Status
-
-    g = torch.Generator().manual_seed(0)
-    return [
-        Sample(index=i, tokens=torch.randint(4, 61, (p + r,), generator=g).tolist(), response_length=r,
-               reward=float(i % 2), status=Status.COMPLETED)
-        for i, (p, r) in enumerate(SHAPES)
-    ]  # fmt: skip
-
-
 def _weights(trainer):
     return {n: t.float().cpu() for b in trainer.iter_weight_buckets(1 << 30) for n, t in b}
 
@@ -57,7 +47,7 @@ def test_offload_frees_memory_and_training_resumes_bit_for_bit(backend, tmp_path
     model_dir = build_tiny_model(tmp_path / "model", seed=0, task=None, num_layers=4, hidden_size=512,
                                  intermediate_size=2048)  # fmt: skip
     args = _args(backend, model_dir)
-    samples = _samples()
+    samples = random_samples(SHAPES)
     rewards = shape_rewards(args, [samples[:2], samples[2:]])
 
     stays = Trainer(args)

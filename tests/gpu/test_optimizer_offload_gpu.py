@@ -19,6 +19,7 @@ import importlib.util
 
 import pytest
 import torch
+from gpu_samples import random_samples
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,17 +51,6 @@ def _args(model_dir, *extra):
             *flags_to_argv(flags_from_hf_config(load_hf_config(model_dir))), *extra,
         ]
     )  # fmt: skip
-
-
-def _samples():
-    from vime.utils.types import Sample, Status
-
-    g = torch.Generator().manual_seed(0)
-    return [
-        Sample(index=i, tokens=torch.randint(4, 61, (p + r,), generator=g).tolist(), response_length=r,
-               reward=float(i % 2), status=Status.COMPLETED)
-        for i, (p, r) in enumerate(SHAPES)
-    ]  # fmt: skip
 
 
 def _weights(trainer):
@@ -97,7 +87,7 @@ def _train(model_dir, mode, steps=2):
     _free()
     base = torch.cuda.memory_allocated()
     args = _args(model_dir, *MODES[mode])
-    samples = _samples()
+    samples = random_samples(SHAPES)
     rewards = shape_rewards(args, [samples[:2], samples[2:]])
     trainer = MegatronTrainer(args)
     before = _weights(trainer)
@@ -181,7 +171,7 @@ def test_cpu_optimizer_resumes_from_a_torch_dist_checkpoint_bit_for_bit(models, 
 
     save = str(tmp_path / "ckpt")
     args = _args(models["moe"], *MODES["overlap"], "--save", save)
-    samples = _samples()
+    samples = random_samples(SHAPES)
     rewards = shape_rewards(args, [samples[:2], samples[2:]])
     trainer = MegatronTrainer(args)
     trainer.train(0, samples, rewards)
