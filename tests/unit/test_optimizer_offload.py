@@ -11,18 +11,12 @@ import logging
 
 import pytest
 import torch
+from test_backend_flags import parse, refusal  # the same parse-and-validate helpers
 
 from vime.backends.megatron_utils.config import ddp_config_kwargs, optimizer_config_kwargs
-from vime.utils import arg_validation
-from vime.utils.arguments import build_parser
-from vime.utils.backend_flags import check_backend_flags
 from vime.utils.memory_plan import unallocated_optimizer_state_bytes
 from vime.utils.offload import optimizer_tensors, torch_optimizers
 
-BASE = (
-    "--hf-checkpoint /m --prompt-data /d.jsonl --rollout-batch-size 2 --n-samples-per-prompt 2 --num-rollout 1 "
-    "--num-layers 4 --hidden-size 16 --num-attention-heads 2 --normalization RMSNorm --swiglu"
-).split()
 # slime's OPTIMIZER_ARGS of run-qwen3-30B-A3B(-multi-agent).sh, as written there; slime always trains in bf16
 SLIME_30B = (
     "--optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 "
@@ -30,22 +24,6 @@ SLIME_30B = (
 ).split()
 OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--bf16"]
 LOGGER = "vime.utils.backend_flags"
-
-
-def parse(backend: str, *flags: str) -> argparse.Namespace:
-    """Parse and validate; ``--train-backend megatron`` without its install check (no megatron-core on CPU)."""
-    args = build_parser().parse_args([*BASE, "--train-backend", backend, *flags])
-    if backend == "megatron":
-        check_backend_flags(args)
-    else:
-        arg_validation.finalize_args(args)
-    return args
-
-
-def refusal(backend: str, *flags: str) -> str:
-    with pytest.raises(ValueError) as info:
-        parse(backend, *flags)
-    return str(info.value)
 
 
 def test_slimes_30b_optimizer_flags_reach_megatron_cores_optimizer_config(caplog):
