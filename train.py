@@ -17,7 +17,7 @@ def main(args) -> None:
             "on the weights that generated it: drop the flag"
         )
     run = start_run(args)
-    try:
+    with run:  # closed at the end; a failure keeps a --rollout-session-id's engines serving
         for rollout_id in range(run.start_rollout_id, run.num_rollout):
             if run.should_eval(rollout_id):
                 run.evaluate(rollout_id)
@@ -31,8 +31,6 @@ def main(args) -> None:
             run.tracker.log(rollout_id, metrics)
         if run.should_eval(run.num_rollout):
             run.evaluate(run.num_rollout)
-    finally:
-        run.close()
 
 
 if __name__ == "__main__":

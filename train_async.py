@@ -22,7 +22,7 @@ def main(args) -> None:
             "--offload-rollout and --offload-train (neither side can give its GPUs up while the other works)"
         )
     run = start_run(args)
-    try:
+    with run:  # closed at the end; a failure keeps a --rollout-session-id's engines serving
         next_rollout = run.generate(run.start_rollout_id)
         for rollout_id in range(run.start_rollout_id, run.num_rollout):
             if run.should_eval(rollout_id):
@@ -44,8 +44,6 @@ def main(args) -> None:
             run.tracker.log(rollout_id, {**metrics, "time/step_s": time.monotonic() - step_started})
         if run.should_eval(run.num_rollout):
             run.evaluate(run.num_rollout)
-    finally:
-        run.close()
 
 
 if __name__ == "__main__":

@@ -234,7 +234,8 @@ def shared_engines(tiny_model_dir, tmp_path_factory, make_args) -> Iterator[Engi
         VLLMEngine(
             args,
             log_path=log_dir / f"engine_{i}.log",
-            extra_args=("--worker-extension-cls", WORKER_EXTENSION_CLS),
+            # --enable-scale-out: vLLM's generate route, for runs with --flush-cache-interval
+            extra_args=("--worker-extension-cls", WORKER_EXTENSION_CLS, "--enable-scale-out"),
             env=OFFLINE_ENV,
             cpu_share=(i, POOL_SIZE),
         )

@@ -75,6 +75,16 @@ def stall_at_rollout(args, rollout_id, data_source, evaluation=False):
     return generate_rollout(args, rollout_id, data_source, evaluation)
 
 
+def stall_while_file(args, rollout_id, data_source, evaluation=False):
+    """The default rollout, except that rollout ``$VIME_TEST_STALL_AT`` waits while the file ``$VIME_TEST_STALL_FILE``
+    exists: a run to kill at a known point, and a resubmitted one that goes on (the environment is a Ray cluster's,
+    the same for every run on it)."""
+    if not evaluation and str(rollout_id) == os.environ.get("VIME_TEST_STALL_AT"):
+        while os.path.exists(os.environ["VIME_TEST_STALL_FILE"]):
+            time.sleep(0.2)
+    return generate_rollout(args, rollout_id, data_source, evaluation)
+
+
 IM_START_ID = 1  # the tiny model's <|im_start|>: a special token that does not end a response
 
 

@@ -19,6 +19,7 @@ ARGUMENT_MODULES = {
     "vime/utils/passthrough_args.py",
     "vime/utils/upstream_parsers.py",
     "vime/utils/slime_names.py",
+    "vime/utils/serving_flags.py",
 }
 ARGUMENT_PACKAGES = ("vime/utils/flags/",)
 ARGS_NAME = re.compile(r"(?:\w+_)?args$")

@@ -95,7 +95,7 @@ def _args(router_url: str, fault_tolerance: bool = False, timeout_s: float = 180
         rollout_concurrency=4, use_fault_tolerance=fault_tolerance, engine_start_timeout=1.0,
         rollout_health_check_interval=1.0, rollout_health_check_timeout=1.0, rollout_request_timeout=timeout_s,
         hf_checkpoint="m", rollout_sample_seeds=False, rollout_max_context_len=None, use_rollout_routing_replay=False,
-        use_score_centering=False,
+        use_score_centering=False, flush_cache_interval=None,
     )  # fmt: skip
     return PluginArgs(flags, RunContext(router_ip=host, router_port=int(port), weight_version=2))
 

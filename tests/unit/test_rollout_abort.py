@@ -35,6 +35,7 @@ def _abort(fault_tolerance: bool, urls: list[str]) -> None:
     args = argparse.Namespace(
         rollout_concurrency=4, use_fault_tolerance=fault_tolerance, engine_start_timeout=1.0,
         rollout_health_check_interval=1.0, rollout_health_check_timeout=1.0, rollout_request_timeout=1800.0,
+        flush_cache_interval=None,
     )  # fmt: skip
     run = RunContext(router_ip="127.0.0.1", router_port=1, engine_urls=urls)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,9 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from vime.backends.vllm_utils.engine import VLLMEngine, ray_executor_launch
+from vime.backends.vllm_utils import control_auth
+from vime.backends.vllm_utils.engine import VLLMEngine, engine_command, ray_executor_launch
+from vime.ray import serving_session
 from vime.ray.placement_group import EnginePlacement
 from vime.utils.process_group import end_group
 from vime.utils.vllm_config import EngineSpec
@@ -27,25 +31,53 @@ ACTOR_CALL_TIMEOUT_S = 60.0
 
 
 class NodeEngine(VLLMEngine):
-    """A :class:`VLLMEngine` on the actor's node, reporting where it runs."""
+    """A :class:`VLLMEngine` on the actor's node, reporting where it runs. Kept across runs
+    (``--rollout-session-id``, :mod:`vime.ray.serving_session`), it also tells a new run what it runs and which run
+    holds it."""
+
+    owner: str | None = None  # the Ray job (hex id) of the run that uses it, with --rollout-session-id
+    runs = 0  # how many runs have used it
 
     def address(self) -> str:
         return self.url
 
     def launch(self) -> None:
-        """:meth:`start` (which returns the engine itself: nothing to send back from an actor)."""
-        self.start()
+        """:meth:`start` (which returns the engine itself: nothing to send back from an actor); nothing when a
+        kept engine's server already runs."""
+        if not self.is_alive():
+            self.start()
 
     def where(self) -> dict:
         """Its URL, node (Ray id and address), the actor's pid and the server's (its process guard's, the leader
-        of the server's process group)."""
+        of the server's process group), and how many runs it served (more than one when kept)."""
         return {
             "url": self.url,
             "node_id": ray.get_runtime_context().get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "actor_pid": os.getpid(),
             "server_pid": self.proc.pid if self.proc is not None else None,
+            "runs": self.runs,
         }
+
+    def control_secret(self) -> str:
+        """The control secret its server checks (the run that started it had it)."""
+        return os.environ[control_auth.SECRET_ENV]
+
+    def session_info(self) -> dict:
+        """What a run checks before it adopts this engine: host, port, the vLLM command, whether the server runs,
+        and the job that holds it."""
+        alive = self.is_alive()
+        return {
+            "host": self.host,
+            "port": self.port,
+            "command": self.command,
+            "alive": alive,
+            "owner": self.owner,
+        }
+
+    def claim(self, job_id: str) -> None:
+        """Serve the run of Ray job ``job_id`` from now on."""
+        self.owner, self.runs = job_id, self.runs + 1
 
 
 # Threaded, so health probes and log tails answer while a start waits for readiness.
@@ -123,9 +155,11 @@ class NodeEngines:
     listens on that node's address (Ray's node IP: loopback for a run's own local Ray, the private interface in a
     cluster). An engine over several nodes (``ray_bundles``) gets vLLM's Ray executor on its bundles
     (``vime.backends.vllm_utils.engine_ray_executor``); its workers are Ray actors owned by the server, and end
-    with it."""
+    with it. With ``session`` (``--rollout-session-id``) the actor is detached and named, and a kept one is adopted
+    (:mod:`vime.ray.serving_session`)."""
 
     placements: list[EnginePlacement]
+    session: str | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -145,22 +179,70 @@ class NodeEngines:
         spec: EngineSpec | None = None,
     ) -> RemoteEngine:
         placement = self.placements[slot]
-        strategy = PlacementGroupSchedulingStrategy(
-            placement_group=placement.group, placement_group_bundle_index=placement.bundle_index
-        )
-        gpus = {"CUDA_VISIBLE_DEVICES": placement.gpus} if placement.gpus else {}
         over_nodes: tuple[list[str], dict[str, str]] = ([], {})
         if placement.ray_bundles:  # the server joins this cluster; vLLM's Ray executor starts its workers
             over_nodes = ray_executor_launch(
                 ray.get_runtime_context().gcs_address, placement.group.id.hex(), placement.ray_bundles
             )
-        actor = EngineActor.options(scheduling_strategy=strategy).remote(
-            args,
-            host=placement.node_ip,
-            log_path=log_path,
-            extra_args=[*extra_args, *over_nodes[0]],
-            env={**(env or {}), **gpus, **over_nodes[1]},
-            spec=spec,
-            cpu_share=placement.cpu_share,
-        )
+        extra_args = [*extra_args, *over_nodes[0]]
+        actor = self._kept(args, slot, extra_args, spec) if self.session else None
+        if actor is None:
+            options: dict = {
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=placement.group, placement_group_bundle_index=placement.bundle_index
+                )
+            }
+            if self.session:
+                name = serving_session.engine_name(self.session, slot)
+                options |= {"name": name, "namespace": serving_session.NAMESPACE, "lifetime": "detached"}
+            gpus = {"CUDA_VISIBLE_DEVICES": placement.gpus} if placement.gpus else {}
+            actor = EngineActor.options(**options).remote(
+                args,
+                host=placement.node_ip,
+                log_path=log_path,
+                extra_args=extra_args,
+                env={**(env or {}), **gpus, **over_nodes[1]},
+                spec=spec,
+                cpu_share=placement.cpu_share,
+            )
+        if self.session:
+            ray.get(actor.claim.remote(ray.get_runtime_context().get_job_id()))
         return RemoteEngine(actor, placement, log_path)
+
+    def _kept(
+        self, args: argparse.Namespace, slot: int, extra_args: Sequence[str], spec: EngineSpec | None
+    ) -> ray.actor.ActorHandle | None:
+        """The session's kept engine of ``slot`` if this run may adopt it; None when there is none (or its server
+        has exited: the actor is ended, and a new one takes its name). Raises when it runs another vLLM command
+        than this run would, or serves a run that is still going."""
+        session = self.session
+        actor = serving_session.find_engine(session, slot)
+        if actor is None:
+            return None
+        try:
+            info = ray.get(actor.session_info.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            info = {"alive": False}
+        if not info["alive"]:
+            ray.kill(actor)
+            deadline = time.monotonic() + ACTOR_CALL_TIMEOUT_S
+            while serving_session.find_engine(session, slot) is not None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            return None
+        expected = engine_command(args, info["host"], info["port"], extra_args=extra_args, spec=spec)
+        if info["command"] != expected:
+            raise ValueError(
+                f"--rollout-session-id {session}: engine {slot} runs `{shlex.join(info['command'])}`, this run would "
+                f"start `{shlex.join(expected)}`; resubmit with the session's engine flags, or use another session id"
+            )
+        owner = info["owner"]
+        if (
+            owner is not None
+            and owner != ray.get_runtime_context().get_job_id()
+            and serving_session.job_is_running(owner)
+        ):
+            raise RuntimeError(
+                f"--rollout-session-id {session}: engine {slot} serves Ray job {owner}, which is still running; stop "
+                "that driver first, or use another session id"
+            )
+        return actor

@@ -16,6 +16,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from vime.ray import serving_session
+
 PLACEMENT_TIMEOUT_S = 600
 
 
@@ -51,21 +53,31 @@ def num_bundles(args) -> int:
 
 
 def create_placement_groups(args) -> dict[str, Bundles]:
-    """Reserve the bundles of :func:`bundle_counts` in one group and wait until they are placed."""
+    """Reserve the bundles of :func:`bundle_counts` in one group and wait until they are placed; with
+    ``--rollout-session-id`` the rollout bundles are the session's own detached group instead
+    (:func:`vime.ray.serving_session.rollout_group`), kept across runs."""
     resource = bundle_resource()
     sizes = bundle_counts(args)
-    total = num_bundles(args)
+    kept = sizes["rollout"] if args.rollout_session_id else 0
+    total = sum(sizes.values()) - kept or 1
     group = placement_group([{resource: 1} for _ in range(total)], strategy="PACK")
+    groups = [group]
+    if kept:
+        groups.append(serving_session.rollout_group(args.rollout_session_id, kept, resource))
     try:
-        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        ray.get([g.ready() for g in groups], timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(group)
         raise RuntimeError(
-            f"Ray could not place {total} {resource} bundles ({sizes}) within {PLACEMENT_TIMEOUT_S} s; the cluster "
-            f"has {ray.cluster_resources()}. Lower the --actor-*/--critic-*/--rollout-num-gpus counts or add nodes"
+            f"Ray could not place {sum(sizes.values())} {resource} bundles ({sizes}) within {PLACEMENT_TIMEOUT_S} s; "
+            f"the cluster has {ray.cluster_resources()}. Lower the --actor-*/--critic-*/--rollout-num-gpus counts or "
+            "add nodes"
         ) from None
     result, start = {}, 0
     for role, size in sizes.items():
+        if role == "rollout" and kept:
+            result[role] = Bundles(groups[1], list(range(size)), resource)
+            continue
         result[role] = Bundles(group, list(range(start, start + size)), resource)
         start += size
     if args.colocate:

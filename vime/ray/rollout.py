@@ -81,7 +81,8 @@ def create_rollout_manager(
         sizes = (
             [] if args.debug_train_only else [spec.num_gpus for spec in engine_specs(serving_config(args))]
         )
-        launcher = NodeEngines(engine_placements(args, bundles, slots, sizes, keep_order=args.colocate))
+        placements = engine_placements(args, bundles, slots, sizes, keep_order=args.colocate)
+        launcher = NodeEngines(placements, session=args.rollout_session_id)
     manager = RolloutManagerActor.options(scheduling_strategy=strategy).remote(
         args, log_dir, engine_extra_args, launcher
     )
@@ -93,9 +94,10 @@ def create_rollout_manager(
                 flush=True,
             )
             continue
+        kept = f", kept by session {args.rollout_session_id}" if where["runs"] > 1 else ""
         print(
             f"[vime] engine {slot} ({where['model']}): {where['url']} on node {where['node_id']} ({where['node_ip']}), "
-            f"server pid {where['server_pid']} (owned by actor pid {where['actor_pid']})",
+            f"server pid {where['server_pid']} (owned by actor pid {where['actor_pid']}{kept})",
             flush=True,
         )
     return manager

@@ -14,6 +14,7 @@ from ray._private import ray_constants
 
 from vime.backends.vllm_utils import control_auth
 from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
+from vime.ray import serving_session
 from vime.ray.placement_group import bundle_slots, create_placement_groups, num_bundles
 from vime.ray.rollout import create_rollout_manager
 from vime.ray.rollout_batch import RolloutBatch
@@ -41,13 +42,28 @@ def init_ray(args: argparse.Namespace) -> None:
     use Ray's node address) and dies with the driver, even a SIGKILLed one (:mod:`vime.utils.reaper`).
 
     ``ray start`` (Ray 2.60) turns on token authentication; a driver given an explicit address sends the token
-    only with ``RAY_AUTH_MODE=token`` in its environment (Ray reads it at import, so it cannot be set here)."""
+    only with ``RAY_AUTH_MODE=token`` in its environment (Ray reads it at import, so it cannot be set here).
+
+    ``--rollout-session-id`` needs the cluster (its engines outlive this driver) and joins it in the sessions'
+    namespace; a session that already has engines lends this run their control secret (:mod:`.serving_session`)."""
+    session = args.rollout_session_id
+    if address := os.environ.get("RAY_ADDRESS"):
+        namespace = serving_session.NAMESPACE if session else None
+        _join(address, namespace)
+        secret = serving_session.session_secret(session) if session else None
+        if secret is not None and secret != control_auth.run_secret():
+            ray.shutdown()  # the engines' secret reaches this run's actors only at ray.init
+            os.environ[control_auth.SECRET_ENV] = secret
+            _join(address, namespace)
+        return
+    if session:
+        raise ValueError(
+            f"--rollout-session-id {session} keeps the engines on a Ray cluster that outlives this driver: start one "
+            "(ray start --head) and set RAY_ADDRESS (with RAY_AUTH_MODE=token), or drop the flag"
+        )
     runtime_env = {
         "env_vars": {control_auth.SECRET_ENV: control_auth.run_secret()}
     }  # engines' control secret
-    if address := os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
-        return
     # Ray takes the machine's outward address as the node's, and binds its servers to every interface, unless
     # that address is loopback, which it gives only where it runs without clusters (its Windows/macOS switch).
     ray_constants.ENABLE_RAY_CLUSTER = False
@@ -59,6 +75,12 @@ def init_ray(args: argparse.Namespace) -> None:
         runtime_env=runtime_env,
     )
     start_reaper()
+
+
+def _join(address: str, namespace: str | None) -> None:
+    """Connect to the cluster at ``address``, this run's actors inheriting its control secret."""
+    runtime_env = {"env_vars": {control_auth.SECRET_ENV: control_auth.run_secret()}}
+    ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env=runtime_env)
 
 
 @dataclass
@@ -196,15 +218,34 @@ class Run:
         self.trained_since_sync = False
         return ray.get(self.manager.update_weights.remote())[1]
 
-    def close(self) -> None:
-        """Stop engines and router, close the tracker, leave Ray (its actors go with it)."""
+    def close(self, failed: bool = False) -> None:
+        """Stop engines and router, close the tracker, leave Ray (its actors go with it). ``failed`` with
+        ``--rollout-session-id``: the engines stay up for a resubmitted run; after a run that ended normally they
+        stop and the session's bundles are removed."""
+        session = self.args.rollout_session_id
+        keep = failed and session is not None
         try:
-            ray.get(self.manager.shutdown.remote())
+            ray.get(self.manager.shutdown.remote(keep_engines=keep))
+            if session is not None and not keep:
+                serving_session.release(session)
         finally:
             self.tracker.close()
             ray.shutdown()
         saved = f" | checkpoints: {self.args.save}" if self.args.save else ""
         print(f"[vime] metrics: {self.log_dir / 'metrics.jsonl'}{saved}", flush=True)
+        if keep:
+            print(
+                f"[vime] the engines of --rollout-session-id {session} keep serving: resubmit with the same flags "
+                "(and --load) to go on",
+                flush=True,
+            )
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        """Close the run; a failure keeps a ``--rollout-session-id``'s engines serving."""
+        self.close(failed=exc_type is not None)
 
 
 def first_rollout_id(args: argparse.Namespace, last_saved: int | None) -> int:
@@ -274,7 +315,7 @@ def start_run(args: argparse.Namespace) -> Run:
         _print_elapsed("first weight sync done", started)
         return run
     except BaseException:
-        if manager is not None:
-            ray.get(manager.shutdown.remote())
+        if manager is not None:  # a session's engines stay up for the next try
+            ray.get(manager.shutdown.remote(keep_engines=args.rollout_session_id is not None))
         ray.shutdown()
         raise

@@ -20,9 +20,12 @@ group only while it would still be trained within the bound (rollouts are served
 most per rollout), and never more than ``--rollout-concurrency`` x engines groups at once.
 
 **Weight syncs.** Engines pause in place during a sync (DESIGN.md §5), so requests in flight finish on the new
-weights and keep the older stamp (conservative). Between the ``before_weight_update`` and ``after_weight_update``
-hooks the worker starts no request, so no new request is stamped with a version it will not run on. The worker
-never pauses or aborts engines itself.
+weights and keep the older stamp (conservative). With ``--flush-cache-interval`` (:mod:`vime.utils.inflight`) each
+sample records the version that sampled each token instead (``weight_version_spans``; ``weight_versions`` lists them
+all, so the lag still counts from the oldest), and a sync that is a full refresh aborts the requests in flight: their
+groups go back to the data buffer (``fully_async/aborted_groups``). Between the ``before_weight_update`` and
+``after_weight_update`` hooks the worker starts no request, so no new request is stamped with a version it will not
+run on. The worker never pauses or aborts engines itself.
 
 **Checkpoints.** Groups drawn from the data buffer and not yet trained (in flight or finished) are saved in the
 buffer's state as prompts (the ``state_dict`` hook): a resumed run generates them again, so no prompt is lost or

@@ -28,6 +28,7 @@ from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine_fleet import EngineHandle, EngineLauncher, LocalEngines
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
 from vime.backends.vllm_utils.external_engines import external_engines
+from vime.backends.vllm_utils.generate_api import ENGINE_FLAG as GENERATE_ENGINE_FLAG
 from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
 from vime.backends.vllm_utils.router import RouterProcess, connect_router, register_workers
 from vime.rollout.base_types import call_rollout_fn
@@ -36,6 +37,7 @@ from vime.rollout.lifecycle import RolloutFunctions
 from vime.rollout.router_client import close_contexts
 from vime.rollout.sample_metrics import sample_metrics
 from vime.utils.async_utils import run
+from vime.utils.inflight import records_token_versions
 from vime.utils.misc import load_function
 from vime.utils.run_context import RunContext, plugin_args
 from vime.utils.types import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
@@ -117,6 +119,8 @@ class RolloutManager:
         if self.args.use_rollout_routing_replay:  # the engines return the experts they route each token to
             flags, self._engine_env = routed_experts_engine_options(on_gpu)
             extra_args += flags
+        if records_token_versions(self.args):  # vLLM's generate route: the weight version of each token
+            extra_args.append(GENERATE_ENGINE_FLAG)
         if self.args.offload_rollout:
             if not self.launcher.on_gpu:
                 raise ValueError(
@@ -332,9 +336,10 @@ class RolloutManager:
             self.data_source.load(rollout_id, load_dir)
             self.functions.load(rollout_id, load_dir)
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_engines: bool = False) -> None:
         """Stop the rollout functions (their ``stop`` hooks), close the rollout's HTTP sessions, stop the router (if
-        vime started it) and every engine."""
+        vime started it) and every engine (``keep_engines``: leave the engines serving, for a resubmitted run of the
+        same ``--rollout-session-id``)."""
         if self.monitor is not None:
             self.monitor.stop()
             self.router = self.monitor.router if self.router is not None else None  # a restarted one
@@ -348,6 +353,8 @@ class RolloutManager:
         engines = self.engines + [
             engine for model_engines, _ in self.frozen.values() for engine in model_engines
         ]
+        if keep_engines:
+            engines = []
         # all at once: each may wait out its grace time
         with concurrent.futures.ThreadPoolExecutor(max(1, len(engines))) as pool:
             list(pool.map(lambda engine: engine.stop(), engines))

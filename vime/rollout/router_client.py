@@ -22,9 +22,11 @@ from typing import Any
 
 import aiohttp
 
+from vime.backends.vllm_utils import generate_api
 from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
 from vime.backends.vllm_utils.router import RouterError, list_workers
 from vime.utils import http_utils
+from vime.utils.inflight import records_token_versions
 from vime.utils.run_context import RunContext, run_context_of
 from vime.utils.types import Sample, Status
 
@@ -94,18 +96,22 @@ class RolloutContext:
             else ROUTER_ERROR_RETRY_S
         )
         self.requeued_samples = 0
+        self.per_token_versions = records_token_versions(args)  # vLLM's generate route reports them
 
     async def completion(self, payload: dict[str, Any], engine_url: str | None = None) -> dict[str, Any]:
-        """POST ``/v1/completions`` through the router (or straight to ``engine_url``); the decoded answer.
+        """POST ``/v1/completions`` (vLLM's generate route with ``--flush-cache-interval``: ``generate_api``) through
+        the router (or straight to ``engine_url``); the decoded answer, as a completion's.
 
         Raises :class:`SampleGenerationError` when vLLM refused the request (a 4xx with vLLM's error body),
         :class:`RetryableRequestError` on a router error or a lost connection, :class:`RequestTimeoutError` after
         ``--rollout-request-timeout`` (the connection is closed, which aborts the request on its engine), and
         :class:`RolloutError` on any other 4xx (a malformed request: sending it again would not help)."""
-        url = f"{engine_url or self.router_url}/v1/completions"
+        path = generate_api.GENERATE_PATH if self.per_token_versions else "/v1/completions"
+        url = f"{engine_url or self.router_url}{path}"
+        sent = generate_api.generate_body(payload) if self.per_token_versions else payload
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                async with self.session.post(url, json=payload) as response:
+                async with self.session.post(url, json=sent) as response:
                     body = await response.text()
         except TimeoutError as exc:
             raise RequestTimeoutError(
@@ -116,7 +122,8 @@ class RolloutContext:
             raise RetryableRequestError(f"lost {where} at {url} ({type(exc).__name__}: {exc})") from exc
         status = response.status
         if status < 400:
-            return json.loads(body)
+            answer = json.loads(body)
+            return generate_api.as_completion(answer) if self.per_token_versions else answer
         vllm_reason = vllm_error_message(body)
         if status < 500 and status not in _ROUTER_QUEUE_STATUSES:
             if vllm_reason is not None:
@@ -220,7 +227,8 @@ async def request(
 
     The version is read when the request is sent, not when it returns: a weight sync while it runs pauses the
     engines in place and resumes them on the new weights, so its first tokens come from the older version (a
-    request sent while a sync is under way counts as the older version too: a conservative stamp)."""
+    request sent while a sync is under way counts as the older version too: a conservative stamp). With
+    ``--flush-cache-interval`` the engines report the version of each token instead."""
     async with ctx.semaphore:
         give_up_at = None
         engine_url = None  # through the router until a timeout

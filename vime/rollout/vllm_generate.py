@@ -19,6 +19,7 @@ import asyncio
 import inspect
 from typing import Any
 
+from vime.backends.vllm_utils import generate_api
 from vime.backends.vllm_utils.routed_experts import apply_choice_routing
 from vime.rollout.rm_hub import reward_samples
 from vime.rollout.router_client import RolloutError, get_context, request
@@ -94,7 +95,8 @@ def _completion_payload(args, prompt: list[int], sampling_params: dict[str, Any]
 
 def _apply_choice(args, sample: Sample, choice: dict[str, Any], weight_version: int) -> Sample:
     """Append one returned completion choice (tokens, log-probs, text, finish reason and, with
-    ``--use-rollout-routing-replay``, the routed experts) to ``sample``, generated from ``weight_version`` on."""
+    ``--use-rollout-routing-replay``, the routed experts) to ``sample``, generated from ``weight_version`` on (by
+    the versions its ``weight_versions`` spans name, with ``--flush-cache-interval``)."""
     token_ids = choice.get("token_ids") or []
     log_probs = (choice.get("logprobs") or {}).get("token_logprobs") or []
     if len(log_probs) != len(token_ids):
@@ -106,8 +108,10 @@ def _apply_choice(args, sample: Sample, choice: dict[str, Any], weight_version: 
                 f"engine returned {len(token_ids)} tokens but {len(top_logprobs)} top log-probs"
             )
         append_sampler_heads(sample, top_logprobs, args.score_centering_top_k)
+    spans, versions = generate_api.token_version_spans(choice, sample.response_length, weight_version)
     append_response(sample, token_ids, log_probs, choice.get("text") or "", trainable=True)
-    sample.weight_versions.append(weight_version)
+    sample.weight_version_spans += spans
+    sample.weight_versions += versions
     sample.status = Status.from_finish_reason(choice.get("finish_reason"))
     has_routing = apply_choice_routing(sample, choice)
     if (
@@ -236,7 +240,7 @@ def reset_to_prompt(sample: Sample) -> Sample:
     sample.response, sample.response_length = "", 0
     sample.loss_mask = sample.rollout_log_probs = sample.reward = sample.rollout_routed_experts = None
     sample.rollout_topk_token_ids = sample.rollout_topk_log_probs = None
-    sample.weight_versions = []
+    sample.weight_versions, sample.weight_version_spans = [], []
     sample.status, sample.failure_reason = Status.PENDING, None
     return sample
 

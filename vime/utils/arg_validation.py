@@ -15,6 +15,7 @@ from vime.utils.algorithm_flags import check_algorithm_flags
 from vime.utils.backend_flags import check_backend_flags
 from vime.utils.eval_config import load_eval_configs
 from vime.utils.rm_types import check_rm_type
+from vime.utils.serving_flags import check_flush_cache_interval, check_rollout_session
 from vime.utils.slime_names import set_slime_names
 from vime.utils.vllm_config import check_external_engines, check_vllm_config, engine_size_problem
 
@@ -58,6 +59,8 @@ def finalize_args(args: argparse.Namespace) -> None:
     _check_cluster(args)
     _check_data(args)
     _check_backend(args)
+    check_flush_cache_interval(args)
+    check_rollout_session(args)
     _check_fully_async(args)
     _check_slime_flags(args)
     set_slime_names(args)

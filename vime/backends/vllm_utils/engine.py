@@ -131,6 +131,22 @@ def ray_executor_launch(
     return flags, env
 
 
+def engine_command(
+    args: argparse.Namespace,
+    host: str,
+    port: int,
+    model_path: str | None = None,
+    extra_args: Sequence[str] = (),
+    spec: EngineSpec | None = None,
+) -> list[str]:
+    """What :class:`VLLMEngine` runs: :func:`build_engine_command` for the policy, or for ``spec``'s model."""
+    if spec is not None:
+        return build_engine_command(
+            args, host, port, spec.model_path, extra_args, spec.num_gpus, spec.override_args
+        )
+    return build_engine_command(args, host, port, model_path, extra_args)
+
+
 def build_engine_env(args: argparse.Namespace, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The server's environment: ``base_env`` (default ``os.environ``) plus dev-mode control routes, no usage
     stats, and on CPU a 1 GiB KV cache unless the user sized it (``VLLM_CPU_KVCACHE_SPACE``,
@@ -337,12 +353,7 @@ class VLLMEngine(ServerProcess):
         cpu_share: tuple[int, int] | None = None,
     ):
         port = private_port(host, port)
-        if spec is not None:
-            command = build_engine_command(
-                args, host, port, spec.model_path, extra_args, spec.num_gpus, spec.override_args
-            )
-        else:
-            command = build_engine_command(args, host, port, model_path, extra_args)
+        command = engine_command(args, host, port, model_path, extra_args, spec)
         tensor_parallel = spec.num_gpus if spec is not None else args.rollout_num_gpus_per_engine
         super().__init__(
             name="vLLM engine",

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vime.backends.vllm_utils import control_auth
+from vime.backends.vllm_utils.generate_api import ENGINE_FLAG, GENERATE_PATH
+from vime.utils.inflight import records_token_versions
 from vime.utils.vllm_config import EngineSpec, external_engine_url
 
 WORKER_EXTENSION_CLS = "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"
@@ -53,9 +55,15 @@ class EngineInfo:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-def _get(url: str, headers: Mapping[str, str] | None = None, timeout: float = 30.0) -> tuple[int, str]:
-    """``GET url``: (status, body); status 0 when nothing answered (the body says why)."""
-    request = urllib.request.Request(url, headers=dict(headers or {}))
+def _get(
+    url: str, headers: Mapping[str, str] | None = None, timeout: float = 30.0, post: bool = False
+) -> tuple[int, str]:
+    """``GET url`` (``post``: ``POST`` an empty JSON body): (status, body); status 0 when nothing answered (the body
+    says why)."""
+    data = b"{}" if post else None
+    request = urllib.request.Request(
+        url, data=data, headers={**({"Content-Type": "application/json"} if post else {}), **(headers or {})}
+    )
     try:
         with _OPENER.open(request, timeout=timeout) as response:
             return response.status, response.read().decode(errors="replace")
@@ -79,10 +87,13 @@ def served_dtype(url: str, timeout: float = 30.0) -> str:
     return _dtype_name(json.loads(body)["vllm_config"]["model_config"].get("dtype"))
 
 
-def describe_engine(url: str, model_name: str, num_gpus_per_engine: int, timeout: float = 30.0) -> EngineInfo:
+def describe_engine(
+    url: str, model_name: str, num_gpus_per_engine: int, timeout: float = 30.0, generate_route: bool = False
+) -> EngineInfo:
     """Check that the engine at ``url`` can serve a vime run that asks for model ``model_name`` (its
-    ``--hf-checkpoint``) with engines of ``num_gpus_per_engine`` workers, and return what it runs;
-    :class:`ExternalEngineError` listing every requirement it misses."""
+    ``--hf-checkpoint``) with engines of ``num_gpus_per_engine`` workers (``generate_route``: and answers vLLM's
+    generate route, for ``--flush-cache-interval``), and return what it runs; :class:`ExternalEngineError` listing
+    every requirement it misses."""
     where = f"--rollout-external-engine-addrs: the engine at {url}"
     status, body = _get(f"{url}/health", timeout=timeout)
     if status != 200:
@@ -126,6 +137,11 @@ def describe_engine(url: str, model_name: str, num_gpus_per_engine: int, timeout
             f"{num_gpus_per_engine} worker(s) as --rollout-num-gpus-per-engine says (it runs tensor-parallel "
             f"{info.tensor_parallel_size} x pipeline-parallel {info.pipeline_parallel_size}: pass "
             f"--rollout-num-gpus-per-engine {info.num_workers})"
+        )
+    if generate_route and _get(f"{url}{GENERATE_PATH}", timeout=timeout, post=True)[0] in (0, 403, 404):
+        missing.append(
+            f"vLLM's generate route (POST {GENERATE_PATH}), through which --flush-cache-interval reads the weight "
+            f"version of each token: start it with {ENGINE_FLAG}"
         )
     status, _ = _get(f"{url}/is_paused", timeout=timeout)
     if status != 403:
@@ -190,10 +206,16 @@ class ExternalEngines:
     urls: list[str]
     model_name: str
     num_gpus_per_engine: int
+    generate_route: bool = False  # --flush-cache-interval
 
     @functools.cached_property
     def infos(self) -> list[EngineInfo]:
-        return [describe_engine(url, self.model_name, self.num_gpus_per_engine) for url in self.urls]
+        return [
+            describe_engine(
+                url, self.model_name, self.num_gpus_per_engine, generate_route=self.generate_route
+            )
+            for url in self.urls
+        ]
 
     @property
     def on_gpu(self) -> bool:
@@ -218,4 +240,6 @@ class ExternalEngines:
 def external_engines(args: argparse.Namespace) -> ExternalEngines:
     """The launcher for ``args.rollout_external_engine_addrs``."""
     urls = [external_engine_url(addr) for addr in args.rollout_external_engine_addrs]
-    return ExternalEngines(urls, args.hf_checkpoint, args.rollout_num_gpus_per_engine)
+    return ExternalEngines(
+        urls, args.hf_checkpoint, args.rollout_num_gpus_per_engine, records_token_versions(args)
+    )

@@ -1,9 +1,13 @@
 """Trainer -> vLLM engines weight sync (DESIGN.md §5): one protocol, three transports (``weight_transports.py``).
 
 Per sync, on every training rank: let the transport stage what it can while engines still generate (``disk``
-writes its files) -> ``pause(mode="keep")`` every engine -> move the weights (the transport) ->
-``reset_prefix_cache`` -> ``resume`` (always, also when the move failed; the error is then re-raised). Only rank
-0 talks to the engines, directly, never through the router.
+writes its files) -> ``pause(mode="keep")`` every engine -> move the weights (the transport) -> label them with the
+version (``--flush-cache-interval``) -> ``reset_prefix_cache`` -> ``resume`` (always, also when the move failed; the
+error is then re-raised). Only rank 0 talks to the engines, directly, never through the router.
+
+A paused request keeps its KV cache and finishes on the new weights (the prefix cache is dropped only where no
+request holds it). A full refresh (:func:`vime.utils.inflight.is_full_refresh`) pauses with ``mode="abort"``
+instead: in-flight requests end (finish reason ``abort``, the tokens so far) and the prefix cache must drop.
 
 Bucket iteration is collective over the training ranks (each bucket's tensors are gathered over FSDP shards or
 TP/PP/EP ranks), so EVERY training rank calls :func:`sync_weights` with its own bucket iterator, in step.
@@ -26,6 +30,7 @@ from vime.backends.vllm_utils.weight_transports import (
     Transport,
     write_hf_safetensors,
 )
+from vime.utils.inflight import is_full_refresh, records_token_versions
 from vime.utils.misc import load_function
 from vime.utils.weight_buckets import Bucket
 
@@ -34,22 +39,37 @@ HOLD_ENV = "VIME_TEST_HOLD_SYNC_DIR"
 
 
 def sync_weights(
-    engine_urls: Sequence[str], buckets: Iterator[Bucket], transport: Transport, version: int, rank: int = 0
+    engine_urls: Sequence[str],
+    buckets: Iterator[Bucket],
+    transport: Transport,
+    version: int,
+    rank: int = 0,
+    full_refresh: bool = False,
+    label: bool = False,
 ) -> dict[str, float]:
-    """Push ``buckets`` to every engine at ``engine_urls`` as weight version ``version`` (see the module docstring).
+    """Push ``buckets`` to every engine at ``engine_urls`` as weight version ``version`` (see the module docstring);
+    ``full_refresh``: abort the requests in flight and drop the prefix cache; ``label``: tell the engines the version.
     Rank 0 returns ``weight_sync/time_s`` (pause to resume, staging included), ``weight_sync/bytes``,
-    ``weight_sync/gb_per_s``, ``weight_sync/version`` and ``weight_sync/engines`` (how many it reached: fewer than
-    the run's while a replacement starts); the other ranks return ``{}``."""
+    ``weight_sync/gb_per_s``, ``weight_sync/version``, ``weight_sync/engines`` (how many it reached: fewer than
+    the run's while a replacement starts) and ``weight_sync/full_refresh`` (1 or 0); the other ranks return ``{}``."""
     start = time.perf_counter()
     with EngineGroup(engine_urls) if rank == 0 else nullcontext() as engines:
         buckets, staged_bytes = transport.stage(buckets, rank, version)
         if engines is not None:
-            engines.run(lambda engine: engine.pause(mode="keep"))
+            engines.run(lambda engine: engine.pause(mode="abort" if full_refresh else "keep"))
             _hold_for_tests(version)
         try:
             moved_bytes = transport.move(buckets, engines, rank)
             if engines is not None:
-                engines.run(lambda engine: engine.reset_prefix_cache())
+                if label:
+                    engines.run(lambda engine: engine.set_weight_version(version))
+                dropped = engines.run(lambda engine: engine.reset_prefix_cache())
+                if full_refresh and not all(dropped):
+                    kept = [url for url, ok in zip(engine_urls, dropped, strict=True) if not ok]
+                    raise RuntimeError(
+                        f"weight sync {version} is a full refresh (--flush-cache-interval) but the engines at {kept} "
+                        "kept their prefix cache after aborting their requests"
+                    )
         finally:
             if engines is not None:
                 engines.run(lambda engine: engine.resume())
@@ -63,6 +83,7 @@ def sync_weights(
         "weight_sync/gb_per_s": nbytes / elapsed / 1e9,
         "weight_sync/version": float(version),
         "weight_sync/engines": float(len(engine_urls)),
+        "weight_sync/full_refresh": float(full_refresh),
     }
 
 
@@ -123,9 +144,10 @@ def sync_weights_from_trainer(
 ) -> dict[str, float]:
     """Blocking entry for a training rank (every rank calls it): the trainer's weights in buckets of
     ``--update-weight-buffer-size`` bytes over ``--update-weight-transport`` (MoE experts stacked where the transport
-    moves them so)."""
+    moves them so), as a full refresh or in place per ``--flush-cache-interval``."""
     transport = make_transport(args, engine_urls, disk_dir, rank)
     buckets = trainer.iter_weight_buckets(
         args.update_weight_buffer_size, stack_experts=transport.stacks_experts
     )
-    return sync_weights(engine_urls, buckets, transport, version, rank)
+    refresh = is_full_refresh(args.flush_cache_interval, version)
+    return sync_weights(engine_urls, buckets, transport, version, rank, refresh, records_token_versions(args))

@@ -75,4 +75,20 @@ SYNC = [
         dict(type=int, default=512 * 1024**2, help="Bytes per weight-sync bucket."),
     ),
     ("--update-weight-dir", dict(default=None, help="Shared directory for --update-weight-transport disk.")),
+    (
+        "--flush-cache-interval",
+        dict(
+            type=int,
+            default=None,
+            metavar="N",
+            help="In-flight weight updates (upstream vime's flag, after PipelineRL): a sync pauses generation in "
+            "place, so a sequence in flight finishes on the new weights, and every sample records which weight "
+            "version sampled each of its tokens (weight_version_spans, from vLLM's per-token version labels: "
+            "engines run with --enable-scale-out). Sync 1 of a run and, for N > 0, every N-th sync after it "
+            "(versions 1, 1+N, 1+2N, ...) is a full refresh instead: in-flight requests are aborted (their groups go "
+            "back to the data buffer) and the prefix cache is dropped. N <= 0: no refresh after sync 1; the default "
+            "rollout function becomes the fully-async one. Unset (default): syncs pause in place, and a request "
+            "spanning one is stamped with the version it was sent at.",
+        ),
+    ),
 ]

@@ -61,4 +61,17 @@ CLUSTER = [
     ("--offload", dict(action="store_true", help="Same as --offload-train --offload-rollout.")),
     ("--offload-train", dict(action="store_true", help="Move training state off the GPU during rollout.")),
     ("--offload-rollout", dict(action="store_true", help="Sleep vLLM engines during training.")),
+    (
+        "--rollout-session-id",
+        dict(
+            default=None,
+            metavar="ID",
+            help="Keep the engines serving across a trainer failure (upstream vime's flag): on the Ray cluster at "
+            "RAY_ADDRESS the engines and their rollout bundles are detached Ray actors named after ID, so a driver "
+            "that fails or is killed leaves them running, and train.py resubmitted with the same ID and engine "
+            "flags finds them again, pushes its weights into them before rollout 0 and goes on (resume with "
+            "--load). A run that finishes stops them. Not with --colocate, --offload-rollout, "
+            "--rollout-external-engine-addrs, --use-fault-tolerance or --debug-train-only.",
+        ),
+    ),
 ]
