@@ -41,6 +41,7 @@ from conftest import (
 
 from vime.backends.vllm_utils.engine import SERVER_MODULES
 from vime.backends.vllm_utils.weight_sync import HOLD_ENV
+from vime.ray.rollout import LOG_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 REPO = Path(__file__).resolve().parents[2]
@@ -53,6 +54,9 @@ RUN_EVENTS = re.compile(
 )
 LEFT_STOPPED_S = 30.0  # a run process stopped this long, and not by a hang strike, was left frozen by a poll
 THAW_S = 0.2  # how long the engines run between two polls for a rollout's requests (a rollout takes over 1 s)
+# the run's health checks see an engine core frozen past --rollout-health-check-timeout (30 s) as hung: a poll that
+# kept the engines frozen longer than this (a slow /metrics on a loaded machine) strikes nothing and lets them run
+FREEZE_LIMIT_S = 4.0
 
 
 def _prometheus(url: str, timeout: float = 5.0) -> dict[str, float]:
@@ -91,14 +95,21 @@ class FaultScript(threading.Thread):
         self._pids: dict[str, int] = {}  # the engines' API servers (URL -> pid) when a strike began
         self._frozen: dict[str, list[psutil.Process]] = {}  # their engine processes, stopped by the last poll
         self.error: BaseException | None = None
-        self.hung: set[int] = (
-            set()
-        )  # pids a ``hang`` strike stopped on purpose (a victim's server and its children)
+        # pids stopped on purpose: a ``hang`` strike's victim (its server and children), replacements held out
+        self.stopped_on_purpose: set[int] = set()
+        # with a strike's ``hold_out``: the engine servers before the fault; the replacements stopped since (pid ->
+        # the server's processes)
+        self._known_servers: set[int] | None = None
+        self._held_out: dict[int, list[psutil.Process]] = {}
+        self._next_hold_out_check = 0.0
         self._stopped_since: dict[int, float] = {}  # other run processes seen stopped: pid -> first seen
         self.left_stopped: dict[
             int, str
         ] = {}  # those stopped over LEFT_STOPPED_S: a strike that forgot to thaw
         self._next_stop_check = 0.0
+        self.longest_freeze_s = (
+            0.0  # the longest a poll kept the engine processes stopped (the run sees them hang)
+        )
 
     def run(self) -> None:
         try:
@@ -107,6 +118,15 @@ class FaultScript(threading.Thread):
             self.error = exc
             for hold in self.hold_dir.glob("hold_*"):  # the run goes on to its end instead of waiting for it
                 hold.unlink()
+            self._release_held_out()
+
+    def _release_held_out(self) -> None:
+        """Let the replacements held out start (a strike's ``hold_out``)."""
+        self._known_servers = None
+        for procs in self._held_out.values():
+            _signal_all(procs, signal.SIGCONT)
+            self.stopped_on_purpose -= {proc.pid for proc in procs}
+        self._held_out = {}
 
     # ------------------------------------------------------------------------------------------ waiting
     def wait(self, what: str, condition: Callable[[], object], timeout: float = STEP_TIMEOUT_S) -> object:
@@ -118,6 +138,8 @@ class FaultScript(threading.Thread):
                 raise TimeoutError(f"fault script: no {what} within {timeout:.0f} s")
             if time.monotonic() > self._next_stop_check:
                 self._check_stopped()
+            if self._known_servers is not None and time.monotonic() > self._next_hold_out_check:
+                self._stop_replacements()
             time.sleep(0.05)
         raise RuntimeError(f"fault script: the run ended while waiting for {what}")
 
@@ -129,7 +151,7 @@ class FaultScript(threading.Thread):
         now, stopped = time.monotonic(), set()
         for proc in self._marked():
             try:
-                if proc.pid not in self.hung and proc.status() == psutil.STATUS_STOPPED:
+                if proc.pid not in self.stopped_on_purpose and proc.status() == psutil.STATUS_STOPPED:
                     stopped.add(proc.pid)
                     first = self._stopped_since.setdefault(proc.pid, now)
                     if now - first > LEFT_STOPPED_S:
@@ -158,9 +180,26 @@ class FaultScript(threading.Thread):
     def release(self, version: int) -> None:
         (self.hold_dir / f"hold_{version}").unlink(missing_ok=True)
 
+    def _stop_replacements(self) -> None:
+        self._next_hold_out_check = time.monotonic() + 0.3
+        for pid in set(self.engines().values()) - self._known_servers - self._held_out.keys():
+            try:
+                server = psutil.Process(pid)
+                procs = [server, *server.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            self.stopped_on_purpose |= {proc.pid for proc in procs}
+            _signal_all(procs, signal.SIGSTOP)
+            self._held_out[pid] = procs
+
     def hold_until_replacements_up(self, version: int, count: int) -> None:
         """Sync ``version`` (after a fault) goes on once ``count`` replacements have started, so the sync after it
-        admits them and the rollout after that runs on them."""
+        admits them and the rollout after that runs on them. Replacements held out (a strike's ``hold_out``) start
+        once sync ``version`` has paused its engines: it reached the others only."""
+        if self._known_servers is not None:
+            self.wait(f"sync {version} paused", lambda: (self.hold_dir / f"paused_{version}").exists())
+            self.faults[-1]["replacements_held_out"] = len(self._held_out)
+            self._release_held_out()
         self.wait(f"{count} replacement(s) up", lambda: self.replacements_up() >= count)
         self.faults[-1]["replacement_up_s"] = round(time.monotonic() - self.faults[-1]["at"], 1)
         self.release(version)
@@ -226,10 +265,14 @@ class FaultScript(threading.Thread):
         engines: int = 1,
         router: bool = False,
         hang: bool = False,
+        hold_out: bool = False,
     ) -> None:
         """Once rollout ``rollout_id`` (generated right after weight sync ``sync_before``) has requests running on an
         engine: SIGKILL (``hang``: SIGSTOP) the API server of that engine (``engines=2``: of every engine), and with
-        ``router`` SIGKILL the router too. Records the samples in flight on the victims and how many samples the
+        ``router`` SIGKILL the router too. With ``hold_out``, every engine server the run starts from then on is
+        stopped as it appears until :meth:`hold_until_replacements_up`, so the sync after the fault begins while the
+        replacement still starts (as wherever an engine start outlasts a step) and must go on without it, whatever
+        the machine's speed. Records the samples in flight on the victims and how many samples the
         other engines (and the replacements) generated beyond what they had in hand: the re-sent ones, whoever
         re-sent them.
 
@@ -241,6 +284,8 @@ class FaultScript(threading.Thread):
             "the run's two engines and its router", lambda: len(self.engines()) == 2 and self.router_pid()
         )
         self._pids, router_pid = self.engines(), self.router_pid()
+        if hold_out:
+            self._known_servers = set(self._pids.values())
         fault = {"rollout_id": rollout_id, "non_loopback_listeners": non_loopback_listeners(self.marker)}
         self._last_counts = {}
         self.wait(f"sync {sync_before} paused", lambda: (self.hold_dir / f"paused_{sync_before}").exists())
@@ -263,7 +308,7 @@ class FaultScript(threading.Thread):
             fault["router_killed"] = True
         for url in victims:
             if hang:
-                self.hung |= {self._pids[url], *(proc.pid for proc in frozen[url])}
+                self.stopped_on_purpose |= {self._pids[url], *(proc.pid for proc in frozen[url])}
             os.kill(self._pids[url], signal.SIGSTOP if hang else signal.SIGKILL)
             if not hang:  # as when only the API server dies: its engine processes see it gone and exit
                 _signal_all(frozen[url], signal.SIGCONT)
@@ -283,6 +328,9 @@ class FaultScript(threading.Thread):
         fault["generated_again"] = sum(
             count["done"] - in_hand.get(url, 0.0) for url, count in after.items() if url not in victims
         )
+        fault["done_after"] = {
+            url: count["done"] for url, count in after.items()
+        }  # which engines were counted
 
     def _generating(self) -> dict[str, dict[str, float]] | None:
         """The engines' counts once one is generating: its generated-token counter moved since the last poll and it
@@ -290,17 +338,21 @@ class FaultScript(threading.Thread):
         counter did not move counts none running). Each poll freezes the engines' processes (their API servers
         still answer), so the counts hold until the strike, and lets them run only ``THAW_S`` between two polls:
         however slowly a busy engine answers, the rollout advances at most that long before a poll sees it, long
-        before its requests finish. A poll that strikes leaves them frozen (:attr:`_frozen`)."""
+        before its requests finish. A poll that strikes leaves them frozen (:attr:`_frozen`); one that kept them
+        frozen past ``FREEZE_LIMIT_S`` does not strike."""
         self._frozen = {url: psutil.Process(pid).children(recursive=True) for url, pid in self._pids.items()}
+        frozen_at = time.monotonic()
         for procs in self._frozen.values():
             _signal_all(procs, signal.SIGSTOP)
         time.sleep(0.5)  # the API servers take in the last outputs the engine processes sent
         now, last = self.engine_counts(timeout=60, urls=list(self._pids)), self._last_counts
+        frozen_s = time.monotonic() - frozen_at
+        self.longest_freeze_s = max(self.longest_freeze_s, frozen_s)
         self._last_counts = now
         for url, count in now.items():
             if url not in last or count["tokens"] == last[url]["tokens"]:
                 count["running"] = count["waiting"] = 0.0
-        if any(count["running"] for count in now.values()):
+        if any(count["running"] for count in now.values()) and frozen_s < FREEZE_LIMIT_S:
             return now
         for procs in self._frozen.values():
             _signal_all(procs, signal.SIGCONT)
@@ -308,9 +360,11 @@ class FaultScript(threading.Thread):
         return None
 
     def kill_in_sync(self, version: int) -> None:
-        """SIGKILL an engine once weight sync ``version`` (held) has paused every engine, then let the sync go on."""
+        """SIGKILL an engine once weight sync ``version`` (held) has paused every engine, then let the sync go on; the
+        replacement is held out as by a strike's ``hold_out``."""
         self.hold(version)
         self.wait(f"sync {version} paused", lambda: (self.hold_dir / f"paused_{version}").exists())
+        self._known_servers = set(self.engines().values())
         url, pid = next(iter(self.engines().items()))
         os.kill(pid, signal.SIGKILL)
         psutil.Process(pid).wait(timeout=30)
@@ -327,14 +381,15 @@ def _signal_all(procs: list[psutil.Process], sig: signal.Signals) -> None:
 
 
 def _script_train(s: FaultScript) -> None:
-    """train.py: rollout k is generated after the sync logged with rollout k-1 (sync k+1 follows rollout k)."""
-    s.hold(
-        3
-    )  # the sync after rollout 1 reaches the survivor; sync 4 admits the replacement; rollout 3 on both
-    s.strike_mid_rollout(1, sync_before=2)
+    """train.py: rollout k is generated after the sync logged with rollout k-1 (sync k+1 follows rollout k). Each
+    single-engine fault's replacement is held out until the sync after it has begun, which reaches the survivor only;
+    the sync after that admits the replacement."""
+    # the sync after rollout 1 reaches the survivor; sync 4 admits the replacement; rollout 3 runs on both
+    s.hold(3)
+    s.strike_mid_rollout(1, sync_before=2, hold_out=True)
     s.hold_until_replacements_up(3, 1)
     s.hold(6)
-    s.strike_mid_rollout(4, sync_before=5, router=True, hang=True)
+    s.strike_mid_rollout(4, sync_before=5, router=True, hang=True, hold_out=True)
     s.hold_until_replacements_up(6, 2)
     s.wait("rollout 6 generating", lambda: s.logged(5))
     s.hold(9)
@@ -342,22 +397,20 @@ def _script_train(s: FaultScript) -> None:
     s.hold_until_replacements_up(9, 3)
     # the sync after the double kill waits for both replacements: the last sync (13) admits the one not yet serving
     s.hold(12)
-    s.strike_mid_rollout(
-        10, sync_before=11, engines=2
-    )  # no engine left: the replacements get the weights during it
+    # no engine left: the replacements get the weights during it
+    s.strike_mid_rollout(10, sync_before=11, engines=2)
     s.hold_until_replacements_up(12, 5)
 
 
 def _script_train_async(s: FaultScript) -> None:
     """train_async.py: rollout k is generated right after sync k (the sync after training rollout k-2, once rollout
     k-1 finished); rollout k+1 during training on rollout k."""
-    s.hold(3)
-    s.strike_mid_rollout(2, sync_before=2)
+    s.hold(3)  # sync 3 reaches the survivor only
+    s.strike_mid_rollout(2, sync_before=2, hold_out=True)
     s.hold_until_replacements_up(3, 1)
     s.hold(9)  # a sync after the double kill: both replacements rejoin
-    s.strike_mid_rollout(
-        6, sync_before=6, engines=2
-    )  # the actor trained since the last sync: the replacements get the old actor's copy
+    # the actor trained since the last sync: the replacements get the old actor's copy
+    s.strike_mid_rollout(6, sync_before=6, engines=2)
     s.hold_until_replacements_up(9, 3)
 
 
@@ -384,7 +437,8 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
         "--rollout-max-response-len", str(RESPONSE_LEN), "--rollout-function-path", "bench.fixed_length.generate_rollout",
         "--num-rollout", str(num_rollout), "--lr", "1e-3", "--rollout-num-gpus", "2", "--use-fault-tolerance",
         "--entropy-coef", "0.1",  # the random policy earns no reward: this gradient moves the weights every step
-        "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
+        # the default 30 s health-check timeout: 10 s once replaced healthy engines of a loaded 2-core machine
+        "--rollout-health-check-interval", "1",
         "--rollout-max-engine-restarts", "5",  # four faults may all strike one slot (the default stops at 3)
         "--save-debug-rollout-data", str(tmp_path / "rollouts" / "rollout_{rollout_id}.json"),
         "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "192",
@@ -414,11 +468,16 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
     logs = "".join(
         f"\n== {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(log_dir.glob("*.log"))
     )
+    manager_log = log_dir / LOG_NAME  # the rollout manager's actor: the monitor and the syncs
+    run_lines = (
+        result.stdout + result.stderr + (manager_log.read_text() if manager_log.exists() else "")
+    ).splitlines()
     events = "\n".join(
-        line for line in (result.stdout + result.stderr).splitlines() if RUN_EVENTS.search(line)
+        line for line in run_lines if RUN_EVENTS.search(line)
     )  # the monitor's and the sync's fault handling, in order: what the tails below may have scrolled past
     diagnosis = (
-        f"\n== fault handling\n{events}\n== left stopped: {faults.left_stopped}\n== faults: {faults.faults}\n"
+        f"\n== fault handling\n{events}\n== left stopped: {faults.left_stopped}\n"
+        f"== longest poll freeze: {faults.longest_freeze_s:.1f} s\n== faults: {faults.faults}\n"
     )
     assert result.returncode == 0, diagnosis + result.stdout[-2000:] + result.stderr[-4000:] + logs
     assert faults.left_stopped == {}, f"the fault script left run processes stopped: {diagnosis}"
@@ -433,12 +492,12 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
         assert fault["non_loopback_listeners"] == [], "the run's engines or router listen beyond loopback"
         # what vime re-sent (fault/requeued_samples) plus what the router re-sent by itself
         fault["requeued_by_vime"] = by_rollout[fault["rollout_id"]]["fault/requeued_samples"]
-        assert fault["in_flight"] > 0, fault
+        assert fault["in_flight"] > 0, diagnosis
         # every sample in flight on the dead engines was generated again elsewhere (by the survivor, or, when every
         # engine died, by the replacements). This bound once failed after a double kill (64 in flight by the gauges,
         # 32 generated again): the count was read from engines that kept running, and from an idle engine's stale
         # gauges; the polls now freeze the engines and count only an engine whose token counter moved
-        assert fault["generated_again"] >= fault["in_flight"], fault
+        assert fault["generated_again"] >= fault["in_flight"], (fault, diagnosis)
     print(f"[faults] {script}: {faults.faults}")  # replacement_up_s: its start while training went on
 
     # the rollouts: whole, each prompt of the data source once in order, each sample of a group once, fixed length
@@ -473,7 +532,11 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
 
     # the replacements: each fault's engines replaced once, each replacement served after joining
     restarts = records[-1]["fault/engine_restarts"]
-    assert restarts == sum(len(f["victims"]) for f in faults.faults), (restarts, faults.faults)
+    assert restarts == sum(len(f["victims"]) for f in faults.faults), (restarts, diagnosis)
+    # each replacement is in the run's log, with what showed the engine dead or hung
+    assert len(re.findall(r"engine \d+ at \S+ is dead or hung \(.+\); replacing it", events)) == restarts, (
+        events
+    )
     router_restarts = records[-1]["fault/router_restarts"]
     assert router_restarts == sum(bool(f.get("router_killed")) for f in faults.faults)
     assert len(list(log_dir.glob("router.restart*.log"))) == router_restarts

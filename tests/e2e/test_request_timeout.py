@@ -26,7 +26,7 @@ import requests
 from conftest import POOL_CONTEXT
 
 from vime.backends.vllm_utils.engine import VLLMEngine
-from vime.backends.vllm_utils.engine_monitor import core_answers
+from vime.backends.vllm_utils.engine_monitor import core_problem
 from vime.backends.vllm_utils.router import register_workers
 from vime.rollout import router_client
 from vime.rollout.router_client import close_contexts
@@ -148,13 +148,15 @@ def test_a_request_on_a_hung_engine_comes_back_through_the_timeout_and_a_too_lon
     (server,) = [c for c in psutil.Process(hung.proc.pid).children() if "--port" in c.cmdline()]
     cores = server.children()
     assert [c.name() for c in cores] == ["VLLM::EngineCore"]
-    assert core_answers(hung.url, CORE_PROBE_S)
+    assert core_problem(hung.url, CORE_PROBE_S) is None
     for core in cores:
         core.send_signal(signal.SIGSTOP)
     try:
         assert requests.get(f"{hung.url}/health", timeout=CORE_PROBE_S).status_code == 200
-        assert not core_answers(hung.url, CORE_PROBE_S)
+        assert (
+            core_problem(hung.url, CORE_PROBE_S) == f"GET /is_paused got no answer within {CORE_PROBE_S:g} s"
+        )
     finally:
         for core in cores:
             core.send_signal(signal.SIGCONT)
-    assert core_answers(hung.url, 30.0)
+    assert core_problem(hung.url, 30.0) is None

@@ -182,7 +182,7 @@ def test_one_engine_per_node_owned_there_synced_and_restarted_there(
         "--prompt-data", str(tiny_model_dir / "train.jsonl"), "--rm-type", "exact", "--rollout-batch-size", "4",
         "--n-samples-per-prompt", "4", "--rollout-max-response-len", "2", "--num-rollout", str(NUM_ROLLOUT),
         "--lr", "1e-2", "--rollout-num-gpus", "2", "--router-policy", "round_robin", "--log-dir", str(log_dir),
-        "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
+        "--use-fault-tolerance", "--rollout-health-check-interval", "1",  # timeout: the default 30 s (see FT e2e)
         *TEST_VLLM_FLAGS,
     ]  # fmt: skip
     run = subprocess.Popen(

@@ -51,13 +51,19 @@ def router(monkeypatch):
     monkeypatch.setattr(engine_monitor, "unregister_worker", unregister)
     monkeypatch.setattr(engine_monitor, "register_workers", register)
     monkeypatch.setattr(
-        EngineMonitor, "_healthy", lambda self, server, path="/health": server.is_alive() and server.up
+        EngineMonitor,
+        "_down_reason",
+        lambda self, server, path="/health": None if server.is_alive() and server.up else "down",
     )
-    monkeypatch.setattr(engine_monitor, "core_answers", lambda url, timeout_s: CORES_UP.get(url, True))
+    monkeypatch.setattr(
+        engine_monitor,
+        "core_problem",
+        lambda url, timeout_s: None if CORES_UP.get(url, True) else "no answer",
+    )
     return calls
 
 
-CORES_UP: dict[str, bool] = {}  # url -> whether the fake engine's core answers (the fixture's core_answers)
+CORES_UP: dict[str, bool] = {}  # url -> whether the fake engine's core answers (the fixture's core_problem)
 
 
 def _monitor(engines, max_restarts=3):
@@ -181,3 +187,61 @@ def test_an_engine_whose_core_hangs_is_replaced_unless_a_control_operation_keeps
         assert engines[1] is made[0] and router == [("remove", "e1")]
     finally:
         CORES_UP.clear()
+
+
+def test_a_core_probe_that_overlapped_a_control_operation_does_not_count(router, monkeypatch, caplog):
+    """A sync that begins while the probe waits keeps the core busy past the timeout: not a hang."""
+    engines = [FakeEngine("e0")]
+    monitor, made = _monitor(engines)
+
+    def probe_during_a_sync(url, timeout_s):
+        with monitor.control():
+            return "no answer"
+
+    monkeypatch.setattr(engine_monitor, "core_problem", probe_during_a_sync)
+    monitor.ensure_healthy()
+    assert made == [] and router == []
+    monkeypatch.setattr(engine_monitor, "core_problem", lambda url, timeout_s: "GET /is_paused: no answer")
+    with caplog.at_level("WARNING"):
+        monitor.ensure_healthy()
+    assert made and "a call into its engine core: GET /is_paused: no answer" in caplog.text
+
+
+def test_get_problem_says_what_went_wrong():
+    """200: no problem; another status, a refused connection and a silent server each named as such."""
+    import socket
+    import threading
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts, never answers
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert engine_monitor.get_problem(urllib.request.Request(url + "/health"), 5) is None
+        assert (
+            engine_monitor.get_problem(urllib.request.Request(url + "/is_paused"), 5)
+            == "GET /is_paused answered 503"
+        )
+        silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}/health"
+        assert (
+            engine_monitor.get_problem(urllib.request.Request(silent_url), 0.2)
+            == "GET /health got no answer within 0.2 s"
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+        silent.close()
+    refused = engine_monitor.get_problem(urllib.request.Request(url + "/health"), 1)
+    assert refused.startswith("GET /health failed (") and "refused" in refused, refused

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from vime.backends.vllm_utils.engine_fleet import EngineLauncher
 from vime.backends.vllm_utils.external_engines import external_engines
 from vime.ray.engine_actor import NodeEngines
 from vime.ray.placement_group import Bundles, BundleSlot, engine_placements
@@ -14,9 +17,21 @@ from vime.ray.weight_update import WeightUpdate
 from vime.rollout.rollout_manager import RolloutManager
 from vime.utils.vllm_config import engine_specs, serving_config
 
+LOG_NAME = "rollout_manager.log"
+
 
 class RayRolloutManager(RolloutManager):
-    """The rollout manager in its Ray actor: rollouts leave it by reference (:mod:`vime.ray.rollout_batch`)."""
+    """The rollout manager in its Ray actor: rollouts leave it by reference (:mod:`vime.ray.rollout_batch`). Its
+    log (engine replacements, sync retries, router restarts) goes to ``rollout_manager.log`` in the run's log
+    directory: the driver does not print its actors' output."""
+
+    def __init__(self, args, log_dir: str, engine_extra_args: list[str], launcher: EngineLauncher):
+        super().__init__(args, log_dir, engine_extra_args, launcher)
+        handler = logging.FileHandler(self.log_dir / LOG_NAME)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        vime_logger = logging.getLogger("vime")
+        vime_logger.addHandler(handler)
+        vime_logger.setLevel(logging.INFO)
 
     def generate_batch(
         self, rollout_id: int, dp_sizes: tuple[int, ...], weights_ahead: bool = False

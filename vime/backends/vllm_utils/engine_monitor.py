@@ -25,6 +25,8 @@ import contextlib
 import logging
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -68,6 +70,9 @@ class EngineMonitor:
         self.restarts = [0] * len(engines)
         self.fatal: BaseException | None = None
         self.controlling = 0  # control operations under way (:meth:`control`): the engine cores are not asked
+        self.controls_started = (
+            0  # control operations begun so far: a probe that overlapped one does not count
+        )
         self.time_lost_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="vime-engine-monitor", daemon=True)
@@ -129,6 +134,7 @@ class EngineMonitor:
         the checks meanwhile ask only the API servers."""
         with self.lock:
             self.controlling += 1
+            self.controls_started += 1
         try:
             yield
         finally:
@@ -151,9 +157,9 @@ class EngineMonitor:
 
     def _check_all(self) -> None:
         with self._replacing:
-            if self.router is not None and not self._healthy(self.router, "/liveness"):
+            if self.router is not None and (reason := self._down_reason(self.router, "/liveness")):
                 try:
-                    self._restart_router()
+                    self._restart_router(reason)
                 except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                     self.fatal = e
                     return
@@ -163,32 +169,40 @@ class EngineMonitor:
                 try:
                     if slot in self.starting:
                         self._check_start(slot)
-                    elif not self._healthy(self.engines[slot]) or not self._core_answers(self.engines[slot]):
-                        self._replace(slot)
+                    elif reason := self._down_reason(self.engines[slot]) or self._core_problem(
+                        self.engines[slot]
+                    ):
+                        self._replace(slot, reason)
                 except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                     self.fatal = e
 
-    def _healthy(self, server: EngineHandle | ServerProcess, path: str = "/health") -> bool:
+    def _down_reason(self, server: EngineHandle | ServerProcess, path: str = "/health") -> str | None:
+        """None when ``server``'s process is alive and ``GET path`` answers 200 within
+        ``--rollout-health-check-timeout``; else what failed (for the log)."""
         if not server.is_alive():
-            return False
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(server.url + path, timeout=self.args.rollout_health_check_timeout) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
+            return "its process exited"
+        return get_problem(urllib.request.Request(server.url + path), self.args.rollout_health_check_timeout)
 
-    def _core_answers(self, engine: EngineHandle) -> bool:
-        """The engine core answers a call within ``--rollout-health-check-timeout`` (True while :meth:`control`)."""
+    def _core_problem(self, engine: EngineHandle) -> str | None:
+        """None when the engine core answers a call within ``--rollout-health-check-timeout``, or when a control
+        operation (:meth:`control`) ran at any time during the probe (the core may be busy with it); else why not."""
         with self.lock:
             if self.controlling:
-                return True
-        return core_answers(engine.url, self.args.rollout_health_check_timeout)
+                return None
+            controls_before = self.controls_started
+        problem = core_problem(engine.url, self.args.rollout_health_check_timeout)
+        if problem is None:
+            return None
+        with self.lock:
+            if self.controlling or self.controls_started != controls_before:
+                return None
+        return f"a call into its engine core: {problem}, though GET /health answered"
 
-    def _restart_router(self) -> None:
-        """A dead router comes back on its address (the rollout keeps its URL) with every admitted engine."""
+    def _restart_router(self, reason: str) -> None:
+        """A dead router (``reason``: what showed it) comes back on its address (the rollout keeps its URL) with
+        every admitted engine."""
         started, dead = time.monotonic(), self.router
-        logger.warning("the router at %s is dead or hung; restarting it", dead.url)
+        logger.warning("the router at %s is dead or hung (%s); restarting it", dead.url, reason)
         dead.stop(grace_s=5.0)
         self.router_restarts += 1
         if self.router_restarts > self.args.rollout_max_engine_restarts:
@@ -210,13 +224,14 @@ class EngineMonitor:
             ]
         # only live engines: vllm-router's POST /workers waits until a worker is healthy, so a hung one would hold the
         # monitor; the engine check that follows replaces it
-        run(register_workers(self.router_url, [e.url for e in admitted if self._healthy(e)]))
+        run(register_workers(self.router_url, [e.url for e in admitted if self._down_reason(e) is None]))
         self.time_lost_s += time.monotonic() - started
 
-    def _replace(self, slot: int) -> None:
-        """Take slot ``slot``'s dead engine out and start its replacement (not waiting for it)."""
+    def _replace(self, slot: int, reason: str) -> None:
+        """Take slot ``slot``'s dead engine out (``reason``: what showed it, for the log) and start its replacement
+        (not waiting for it)."""
         dead = self.engines[slot]
-        logger.warning("engine %d at %s is dead or hung; replacing it", slot, dead.url)
+        logger.warning("engine %d at %s is dead or hung (%s); replacing it", slot, dead.url, reason)
         try:
             run(unregister_worker(self.router_url, dead.url))
         except Exception as e:  # noqa: BLE001 -- the router may be restarting; the engine is gone anyway
@@ -244,26 +259,41 @@ class EngineMonitor:
         """A replacement that is up waits for weights; one that died or outlived ``--engine-start-timeout`` while
         starting is replaced again (it counts as a restart)."""
         engine, (down_since, launched) = self.engines[slot], self.starting[slot]
-        if self._healthy(engine):
+        reason = self._down_reason(engine)
+        if reason is None:
             with self.lock:
                 del self.starting[slot]
                 self.waiting_for_weights.add(slot)
                 self.run_context.engine_urls = self._live_urls()
             self.time_lost_s += time.monotonic() - down_since
             logger.warning("engine %d is up at %s; it rejoins after the next weight sync", slot, engine.url)
-        elif not engine.is_alive() or time.monotonic() - launched > self.args.engine_start_timeout:
-            self._replace(slot)
+        elif not engine.is_alive():
+            self._replace(slot, f"it exited while starting ({reason})")
+        elif time.monotonic() - launched > self.args.engine_start_timeout:
+            self._replace(
+                slot, f"not up after --engine-start-timeout {self.args.engine_start_timeout} s ({reason})"
+            )
 
 
-def core_answers(url: str, timeout_s: float) -> bool:
-    """The engine at ``url`` gets an answer from its engine core (``GET /is_paused``, a call into the core that vLLM's
-    ``/health`` does not make) within ``timeout_s``."""
+def core_problem(url: str, timeout_s: float) -> str | None:
+    """None when the engine at ``url`` gets an answer from its engine core (``GET /is_paused``, a call into the core
+    that vLLM's ``/health`` does not make) within ``timeout_s``; else what went wrong."""
     request = urllib.request.Request(
         url + "/is_paused", headers={control_auth.HEADER: control_auth.run_secret()}
     )
+    return get_problem(request, timeout_s)
+
+
+def get_problem(request: urllib.request.Request, timeout_s: float) -> str | None:
+    """None when ``request`` (a GET) answers 200 within ``timeout_s``; else what went wrong, for the log."""
+    what = f"GET {urllib.parse.urlsplit(request.full_url).path}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(request, timeout=timeout_s) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+            return None if resp.status == 200 else f"{what} answered {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"{what} answered {e.code}"
+    except OSError as e:
+        if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+            return f"{what} got no answer within {timeout_s:g} s"
+        return f"{what} failed ({e})"

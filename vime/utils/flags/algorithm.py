@@ -213,7 +213,12 @@ ALGORITHM = [
     ),
     (
         "--rollout-health-check-timeout",
-        dict(type=float, default=30.0, help="Seconds an engine's /health may take before it counts as hung."),
+        dict(
+            type=float,
+            default=30.0,
+            help="Seconds an engine's /health, and a call into its engine core (/is_paused), may take before the "
+            "engine counts as hung.",
+        ),
     ),
     (
         "--rollout-health-check-first-wait",
