@@ -5,10 +5,10 @@ sync aborts them instead and their groups are generated again.
 
 The timing is made certain, not waited for. Requests never sample a stop token under the checkpoint's weights (a logit
 bias of -100 on EOS and on ``<|endoftext|>``, which the tiny model's generation config stops on too), so they run until
-a sync lands; and the test freezes them (``/pause?mode=keep``) before each sync it expects to find them in flight, since
-a sync stages its weights (the disk transport's files, the rollout's hooks) before it pauses the engines, long enough on
-a loaded machine for a sequence to reach ``MAX_TOKENS`` first. The sync's own pause keeps them frozen (in place) or
-aborts them (a full refresh); its resume releases them. The "bigram" weights make the KV cache irrelevant: with every
+a sync lands (a sync pauses the engines within ~1 s of the test's call, staging included, when a sequence needs
+``MAX_TOKENS`` tokens to finish); the in-place sync's own pause (``keep``) freezes them. Before the full refresh the
+test freezes them itself (``/pause?mode=keep``): the refresh's pause aborts them all the same, and no sequence of the
+in-place version can finish first, however slow the machine. The "bigram" weights make the KV cache irrelevant: with every
 ``o_proj`` and ``down_proj`` zero each layer adds nothing to the residual stream, and the next token depends on the
 previous one alone, ``log_softmax(lm_head(rms_norm(embed[prev])) + bias)``; their EOS row is set so that EOS stays
 likely despite the bias, so sequences end soon after a sync to them. Tokens the engines label with the bigram version
@@ -88,9 +88,8 @@ def _generated_tokens(urls: list[str]) -> float:
 
 
 def _freeze(urls: list[str]) -> None:
-    """Freeze the requests in flight on every engine (``/pause?mode=keep``) until the next sync resumes them. A sync
-    stages its weights (files written, ``before_weight_update`` hooks) before its own pause; without this a loaded
-    machine lets a sequence reach ``MAX_TOKENS`` and finish on the old weights before the sync lands."""
+    """Freeze the requests in flight on every engine (``/pause?mode=keep``) until the next sync resumes (or aborts)
+    them: a sync stages its weights (files written, ``before_weight_update`` hooks) before its own pause."""
     with EngineGroup(urls) as engines:
         engines.run(lambda engine: engine.pause(mode="keep"))
 
@@ -151,8 +150,7 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
         collect = threading.Thread(target=lambda: batches.append(manager.generate(0, weights_ahead=True)))
         collect.start()
         generating()
-        _freeze(manager.engine_urls())
-        assert sync(2, bigram)["weight_sync/full_refresh"] == 0.0
+        assert sync(2, bigram)["weight_sync/full_refresh"] == 0.0  # its own pause keeps them in flight
         collect.join(timeout=300)
         samples = [s for g in batches[0].samples for s in g]
         crossed = [
