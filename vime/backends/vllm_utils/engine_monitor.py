@@ -70,9 +70,8 @@ class EngineMonitor:
         self.restarts = [0] * len(engines)
         self.fatal: BaseException | None = None
         self.controlling = 0  # control operations under way (:meth:`control`): the engine cores are not asked
-        self.controls_started = (
-            0  # control operations begun so far: a probe that overlapped one does not count
-        )
+        # control operations begun so far: a core probe that overlapped one does not count
+        self.controls_started = 0
         self.time_lost_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="vime-engine-monitor", daemon=True)
