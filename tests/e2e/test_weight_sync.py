@@ -106,6 +106,13 @@ def test_sync_makes_the_engine_match_the_trainer(transport, tiny_model_dir, make
     metrics = sync()
     assert metrics["weight_sync/bytes"] > 0 and metrics["weight_sync/version"] == 3
     assert metrics["weight_sync/gb_per_s"] > 0
+    phases = mover.phases  # where the sync's time went (bench/weight_sync.py reports it)
+    assert 0 < phases["move_s"] < metrics["weight_sync/time_s"]
+    if transport == "distributed":  # the engine's own per-bucket answers came back
+        assert phases["engine_receive_s"] > 0 and phases["engine_load_s"] > 0 and phases["gather_s"] > 0
+        assert phases["engine_wait_s"] + phases["pack_s"] + phases["gather_s"] <= phases["move_s"]
+    else:
+        assert phases["write_s"] > 0
     synced = engine_log_probs(engine.url, SEQUENCE)
     assert (synced - new).abs().mean() < 1e-3
     assert check_weights(trainer, engine.url) < 1e-3

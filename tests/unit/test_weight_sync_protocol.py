@@ -3,6 +3,7 @@ with a fake engine group, the disk transport's writer, and the flat buckets the 
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import vime.backends.vllm_utils.weight_sync as weight_sync
-from vime.backends.vllm_utils.weight_transports import _PingPong, write_hf_safetensors
+from vime.backends.vllm_utils.weight_transports import MovePhases, _PingPong, write_hf_safetensors
 from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE
 from vime.utils.weight_buckets import (
     bucket_layout,
@@ -278,3 +279,26 @@ def test_an_engine_control_error_crosses_processes_as_itself():
     assert (
         isinstance(error, EngineControlError) and error.url == "http://e1/resume" and "refused" in str(error)
     )
+
+
+def test_move_phases_time_iteration_and_add_the_slowest_worker_per_bucket():
+    phases = MovePhases()
+    assert list(phases.timed("gather_s", iter([1, 2]))) == [1, 2] and phases["gather_s"] > 0
+    with phases.span("pack_s"):
+        pass
+    assert phases["pack_s"] > 0
+    for answers in (
+        [
+            [{"receive_s": 1.0, "load_s": 2.0}, {"receive_s": 3.0, "load_s": 0.5}],
+            [{"receive_s": 0.1, "load_s": 4.0}],
+        ],
+        [[{"load_s": 1.0}], None],  # an engine that answers nothing (vLLM's None) counts for nothing
+    ):
+        done = concurrent.futures.Future()
+        done.set_result(answers)
+        assert phases.wait("engine_wait_s", done) == answers
+    assert phases["engine_receive_s"] == 3.0 and phases["engine_load_s"] == 5.0
+    failed = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("engine refused"))
+    with pytest.raises(RuntimeError, match="engine refused"):
+        phases.wait("engine_wait_s", failed)

@@ -14,15 +14,19 @@ move and the bytes already staged) and ``move`` (engines paused; returns the byt
 
 ``distributed`` and ``tensor`` pipeline two buckets: the next bucket is gathered and flattened (into the other of
 two staging buffers) while the engines load the previous one. They move MoE experts stacked, one tensor per layer
-and projection (``vime.utils.stacked_experts``; ``stacks_experts``); ``disk`` writes HF per-expert tensors.
+and projection (``vime.utils.stacked_experts``; ``stacks_experts``); ``disk`` writes HF per-expert tensors. After a
+move, rank 0's ``phases`` says where its seconds went (:class:`MovePhases`; ``bench/weight_sync.py`` reports it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import secrets
 import shutil
 import socket
+import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -41,6 +45,7 @@ from vime.utils.weight_buckets import Bucket, flatten_bucket, with_last_flag
 
 class Transport(Protocol):
     stacks_experts: bool  # whether the buckets it moves may hold stacked experts (vime.utils.stacked_experts)
+    phases: MovePhases  # rank 0's seconds by phase in the last sync
 
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]: ...
 
@@ -48,6 +53,50 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release what it holds across syncs (when the engine set changes)."""
+
+
+class MovePhases(Counter):
+    """Seconds of one ``move`` by phase. On the sending rank: ``move_s`` (all of it), ``gather_s`` (producing the
+    next bucket: the gathers over training ranks), ``pack_s`` (flattening it into a staging buffer),
+    ``engine_wait_s`` (waiting for the engines to finish the previous bucket) and ``send_wait_s`` (waiting for a
+    staging buffer's broadcast to leave it). From the engine workers' own answers, summed over buckets (the slowest
+    worker of each): ``engine_receive_s`` (``distributed``) and ``engine_load_s``."""
+
+    def timed(self, phase: str, items: Iterable) -> Iterator:
+        """``items``, adding the time each ``next()`` takes to ``phase``."""
+        iterator = iter(items)
+        while True:
+            started = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self[phase] += time.perf_counter() - started
+            yield item
+
+    @contextlib.contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        """Add the block's seconds to ``phase``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[phase] += time.perf_counter() - started
+
+    def wait(self, phase: str, future: concurrent.futures.Future) -> list:
+        """``future.result()`` (the engines' answers to one bucket), adding the wait to ``phase`` and the slowest
+        worker's reported ``receive_s``/``load_s`` to ``engine_receive_s``/``engine_load_s``."""
+        started = time.perf_counter()
+        try:
+            answers = future.result()
+        finally:
+            self[phase] += time.perf_counter() - started
+        reports = [r for engine in answers or [] for r in engine or [] if isinstance(r, dict)]
+        for key in ("receive_s", "load_s"):
+            if values := [r[key] for r in reports if key in r]:
+                self[f"engine_{key}"] += max(values)
+        return answers
 
 
 def _drain(buckets: Iterable[Bucket]) -> int:
@@ -94,13 +143,16 @@ class DiskTransport:
         self.post_write = post_write
         self.version_dir: Path | None = None
         self.token = ""
+        self.phases = MovePhases()
 
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         if rank != 0:
             _drain(buckets)
             return iter(()), 0
+        self.phases = MovePhases()
         self.version_dir = self.directory / f"v{version:07d}"
-        nbytes = write_hf_safetensors(buckets, self.version_dir)
+        with self.phases.span("write_s"):
+            nbytes = write_hf_safetensors(buckets, self.version_dir)
         if self.post_write is not None:  # it sees the weights only
             self.post_write(str(self.version_dir))
         self.token = secrets.token_hex(8)
@@ -109,22 +161,27 @@ class DiskTransport:
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
         if engines is not None:
-            path = str(self.version_dir / SYNC_TOKEN_FILE)
-            seen = engines.run(lambda engine: engine.collective_rpc("read_sync_token", kwargs={"path": path}))
-            for url, tokens in zip(engines.urls, seen, strict=True):
-                if any(token != self.token for token in tokens or [None]):
-                    raise RuntimeError(
-                        f"--update-weight-transport disk: the engine at {url} does not see the weights the trainer "
-                        f"wrote to {self.version_dir} on {socket.gethostname()} (it reads {tokens} from "
-                        f"{SYNC_TOKEN_FILE}, not {self.token!r}): the directory (--update-weight-dir) must be on a "
-                        "filesystem shared by the trainer's node and every engine's node, or use "
-                        "--update-weight-transport distributed"
-                    )
-            kwargs = {"weights_path": str(self.version_dir)}
-            engines.run(lambda engine: engine.collective_rpc("reload_weights_from_path", kwargs=kwargs))
-            if not self.keep_files:
-                shutil.rmtree(self.version_dir)
+            with self.phases.span("move_s"):
+                self._reload(engines)
         return 0
+
+    def _reload(self, engines: EngineGroup) -> None:
+        """Every engine reads the token back, then reloads the version's files (deleted afterwards unless kept)."""
+        path = str(self.version_dir / SYNC_TOKEN_FILE)
+        seen = engines.run(lambda engine: engine.collective_rpc("read_sync_token", kwargs={"path": path}))
+        for url, tokens in zip(engines.urls, seen, strict=True):
+            if any(token != self.token for token in tokens or [None]):
+                raise RuntimeError(
+                    f"--update-weight-transport disk: the engine at {url} does not see the weights the trainer "
+                    f"wrote to {self.version_dir} on {socket.gethostname()} (it reads {tokens} from "
+                    f"{SYNC_TOKEN_FILE}, not {self.token!r}): the directory (--update-weight-dir) must be on a "
+                    "filesystem shared by the trainer's node and every engine's node, or use "
+                    "--update-weight-transport distributed"
+                )
+        kwargs = {"weights_path": str(self.version_dir)}
+        engines.run(lambda engine: engine.collective_rpc("reload_weights_from_path", kwargs=kwargs))
+        if not self.keep_files:
+            shutil.rmtree(self.version_dir)
 
     def close(self) -> None:
         pass
@@ -159,6 +216,7 @@ class DistributedTransport:
         self.timeout_s = timeout_s
         self.world_size = 1 + len(self.engine_urls) * workers_per_engine
         self.group: WeightGroup | None = None
+        self.phases = MovePhases()
 
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         return buckets, 0
@@ -196,17 +254,21 @@ class DistributedTransport:
             return _drain(buckets)
         if self.group is None:
             self.connect(engines)
+        phases = self.phases = MovePhases()
+        started = time.perf_counter()
         staging = _PingPong(self.group.device)
         sent: list[dist.Work | None] = [None, None]
         loading: concurrent.futures.Future | None = None
         nbytes = 0
         try:
-            for k, (bucket, final) in enumerate(with_last_flag(buckets)):
+            for k, (bucket, final) in enumerate(with_last_flag(phases.timed("gather_s", buckets))):
                 if sent[k % 2] is not None:
-                    sent[k % 2].wait()  # the broadcast of bucket k-2 has left this buffer
-                buffer, layout, _ = staging.fill(k, bucket)
+                    with phases.span("send_wait_s"):
+                        sent[k % 2].wait()  # the broadcast of bucket k-2 has left this buffer
+                with phases.span("pack_s"):
+                    buffer, layout, _ = staging.fill(k, bucket)
                 if loading is not None:
-                    loading.result()  # bucket k-1 is in every engine
+                    phases.wait("engine_wait_s", loading)  # bucket k-1 is in every engine
                 kwargs = {"layout": layout, "nbytes": buffer.numel(), "final": final}
                 # the engines must be receiving before the broadcast can finish: the calls start first, then the
                 # broadcast is queued (asynchronous), and the next bucket is gathered meanwhile
@@ -218,13 +280,14 @@ class DistributedTransport:
                 sent[k % 2] = self.group.broadcast(buffer)
                 nbytes += buffer.numel()
             if loading is not None:
-                loading.result()
+                phases.wait("engine_wait_s", loading)
             for work in sent:
                 if work is not None:
                     work.wait()
         except BaseException:
             self.close()  # possibly mid-collective: the next sync builds a new group
             raise
+        phases["move_s"] = time.perf_counter() - started
         return nbytes
 
     def close(self) -> None:
@@ -244,6 +307,7 @@ class TensorTransport:
     def __init__(self, num_workers: int, workers_per_engine: int):
         self.num_workers = num_workers
         self.workers_per_engine = workers_per_engine
+        self.phases = MovePhases()
 
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         return buckets, 0
@@ -259,25 +323,28 @@ class TensorTransport:
                 f"{self.num_workers} colocated engine workers but {world_size} training ranks: with the tensor "
                 "transport every engine GPU must hold a training rank (--rollout-num-gpus <= the actor's GPUs)"
             )
+        phases = self.phases = MovePhases()
+        started = time.perf_counter()
         staging = _PingPong(torch.device("cuda", torch.cuda.current_device()))
         handles: list[dict | None] = [None, None]
         loading: concurrent.futures.Future | None = None
         nbytes = 0
         try:
-            for k, (bucket, final) in enumerate(with_last_flag(buckets)):
+            for k, (bucket, final) in enumerate(with_last_flag(phases.timed("gather_s", buckets))):
                 # buffer k % 2 is free: bucket k-2's load ended before any rank passed the last status gather
                 shared = None
                 if rank < self.num_workers:
-                    buffer, layout, new = staging.fill(k, bucket)
-                    if new:  # shared once; the engine worker keeps it mapped for the rest of the sync
-                        handles[k % 2] = share_cuda_buffer(buffer)
-                    torch.cuda.current_stream().synchronize()  # written before another process reads it
+                    with phases.span("pack_s"):
+                        buffer, layout, new = staging.fill(k, bucket)
+                        if new:  # shared once; the engine worker keeps it mapped for the rest of the sync
+                            handles[k % 2] = share_cuda_buffer(buffer)
+                        torch.cuda.current_stream().synchronize()  # written before another process reads it
                     shared = {"handle": handles[k % 2], "layout": layout}
                 everyone: list = [None] * world_size
                 dist.all_gather_object(everyone, shared)
                 error = None
                 if engines is not None:
-                    error = _wait(loading)
+                    error = _wait(loading, phases)
                     if error is None:
                         per_engine = [
                             {"buffers": everyone[i : i + self.workers_per_engine], "final": final}
@@ -293,10 +360,11 @@ class TensorTransport:
                         )
                 _agree_on(error)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            _agree_on(_wait(loading) if engines is not None else None)
+            _agree_on(_wait(loading, phases) if engines is not None else None)
         finally:
             staging = handles = None
             torch.cuda.ipc_collect()
+        phases["move_s"] = time.perf_counter() - started
         return nbytes
 
     def close(self) -> None:
@@ -321,12 +389,12 @@ class _PingPong:
         return buffer, layout, new
 
 
-def _wait(future: concurrent.futures.Future | None) -> BaseException | None:
-    """Wait for ``future``; its exception, or None."""
+def _wait(future: concurrent.futures.Future | None, phases: MovePhases) -> BaseException | None:
+    """Wait for the engines' answers to a bucket (timed as ``engine_wait_s``); their exception, or None."""
     if future is None:
         return None
     try:
-        future.result()
+        phases.wait("engine_wait_s", future)
     except Exception as exc:  # every rank must hear of it, or they wait at the next bucket
         return exc
     return None

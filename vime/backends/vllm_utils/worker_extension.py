@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -123,20 +124,27 @@ class VimeWorkerExtension:
             timeout_s,
         )
 
-    def update_weights_from_distributed(self, layout: list[dict], nbytes: int, final: bool = True) -> None:
+    def update_weights_from_distributed(self, layout: list[dict], nbytes: int, final: bool = True) -> dict:
         """Receive one bucket, flattened into ``nbytes`` bytes (``layout``: ``weight_buckets.bucket_layout``),
-        broadcast from rank 0, and load it."""
+        broadcast from rank 0, and load it. Returns this worker's ``receive_s`` and ``load_s``."""
         group = self._vime_weight_group
         if group is None:
             raise RuntimeError("update_weights_from_distributed before init_weight_update_group")
+        started = time.perf_counter()
         buffer = torch.empty(int(nbytes), dtype=torch.uint8, device=group.device)
         group.broadcast(buffer).wait()
+        if buffer.is_cuda:
+            torch.cuda.synchronize(buffer.device)  # received, not only queued
+        received = time.perf_counter()
         self._vime_load(unflatten_bucket(buffer, layout), final)
+        return {"receive_s": received - started, "load_s": time.perf_counter() - received}
 
-    def update_weights_from_ipc(self, buffers: list[dict], final: bool = True) -> None:
+    def update_weights_from_ipc(self, buffers: list[dict], final: bool = True) -> dict:
         """``tensor`` transport: map this worker's entry of ``buffers`` (``{"handle", "layout"}``, one per engine
         worker, shared by the training rank on the same GPU) and load the bucket from it. A buffer stays mapped
-        until the ``final`` bucket of the sync (the sender reuses two buffers for every bucket)."""
+        until the ``final`` bucket of the sync (the sender reuses two buffers for every bucket). Returns this
+        worker's ``load_s`` (mapping included)."""
+        started = time.perf_counter()
         entry = buffers[self.rank]
         mapped = self.__dict__.setdefault("_vime_ipc_buffers", {})
         key = json.dumps(entry["handle"], sort_keys=True)
@@ -146,6 +154,7 @@ class VimeWorkerExtension:
         if final:
             mapped.clear()
             torch.cuda.ipc_collect()
+        return {"load_s": time.perf_counter() - started}
 
     def _vime_load(self, weights: list[tuple[str, torch.Tensor]], final: bool) -> None:
         """Load one bucket of HF-named weights and stacked experts (``vime.utils.stacked_experts``). On GPU straight
