@@ -13,7 +13,9 @@ move and the bytes already staged) and ``move`` (engines paused; returns the byt
   staging buffer shared once per sync through CUDA IPC; the worker loads straight from it.
 
 ``distributed`` and ``tensor`` pipeline two buckets: the next bucket is gathered and flattened (into the other of
-two staging buffers) while the engines load the previous one. They move MoE experts stacked, one tensor per layer
+two staging buffers) while the engines load the previous one. Each flattened tensor carries its checksum; an engine
+worker that finds one changed loads nothing of that bucket and the sync fails with :class:`BucketRejected`, naming
+the engine and the tensor (the engine keeps running). They move MoE experts stacked, one tensor per layer
 and projection (``vime.utils.stacked_experts``; ``stacks_experts``); ``disk`` writes HF per-expert tensors. After a
 move, rank 0's ``phases`` says where its seconds went (:class:`MovePhases`; ``bench/weight_sync.py`` reports it).
 """
@@ -40,7 +42,7 @@ from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.cuda_ipc import share_cuda_buffer
 from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE, WeightGroup, create_weight_group
 from vime.utils.net import listen_socket
-from vime.utils.weight_buckets import Bucket, flatten_bucket, with_last_flag
+from vime.utils.weight_buckets import Bucket, add_checksums, flatten_bucket, with_last_flag
 
 
 class Transport(Protocol):
@@ -57,7 +59,7 @@ class Transport(Protocol):
 
 class MovePhases(Counter):
     """Seconds of one ``move`` by phase. On the sending rank: ``move_s`` (all of it), ``gather_s`` (producing the
-    next bucket: the gathers over training ranks), ``pack_s`` (flattening it into a staging buffer),
+    next bucket: the gathers over training ranks), ``pack_s`` (flattening it into a staging buffer, and its checksums),
     ``engine_wait_s`` (waiting for the engines to finish the previous bucket) and ``send_wait_s`` (waiting for a
     staging buffer's broadcast to leave it). From the engine workers' own answers, summed over buckets (the slowest
     worker of each): ``engine_receive_s`` (``distributed``) and ``engine_load_s``."""
@@ -84,19 +86,31 @@ class MovePhases(Counter):
         finally:
             self[phase] += time.perf_counter() - started
 
-    def wait(self, phase: str, future: concurrent.futures.Future) -> list:
-        """``future.result()`` (the engines' answers to one bucket), adding the wait to ``phase`` and the slowest
-        worker's reported ``receive_s``/``load_s`` to ``engine_receive_s``/``engine_load_s``."""
+    def wait(self, phase: str, future: concurrent.futures.Future, urls: Sequence[str]) -> list:
+        """``future.result()`` (the answers of the engines at ``urls`` to one bucket), adding the wait to ``phase``
+        and the slowest worker's reported ``receive_s``/``load_s`` to ``engine_receive_s``/``engine_load_s``.
+        Raises :class:`BucketRejected` if a worker rejected the bucket."""
         started = time.perf_counter()
         try:
             answers = future.result()
         finally:
             self[phase] += time.perf_counter() - started
+        for url, engine in zip(urls, answers or [], strict=False):
+            for worker, report in enumerate(engine or []):
+                if isinstance(report, dict) and report.get("rejected"):
+                    raise BucketRejected(
+                        f"engine {url} (worker {worker}) rejected a bucket: {report['rejected']}"
+                    )
         reports = [r for engine in answers or [] for r in engine or [] if isinstance(r, dict)]
         for key in ("receive_s", "load_s"):
             if values := [r[key] for r in reports if key in r]:
                 self[f"engine_{key}"] += max(values)
         return answers
+
+
+class BucketRejected(RuntimeError):
+    """An engine worker found a tensor of a bucket changed on the way (its checksum); the engine keeps running with
+    the weights it had loaded so far, and the sync fails."""
 
 
 def _drain(buckets: Iterable[Bucket]) -> int:
@@ -268,7 +282,7 @@ class DistributedTransport:
                 with phases.span("pack_s"):
                     buffer, layout, _ = staging.fill(k, bucket)
                 if loading is not None:
-                    phases.wait("engine_wait_s", loading)  # bucket k-1 is in every engine
+                    phases.wait("engine_wait_s", loading, engines.urls)  # bucket k-1 is in every engine
                 kwargs = {"layout": layout, "nbytes": buffer.numel(), "final": final}
                 # the engines must be receiving before the broadcast can finish: the calls start first, then the
                 # broadcast is queued (asynchronous), and the next bucket is gathered meanwhile
@@ -280,7 +294,7 @@ class DistributedTransport:
                 sent[k % 2] = self.group.broadcast(buffer)
                 nbytes += buffer.numel()
             if loading is not None:
-                phases.wait("engine_wait_s", loading)
+                phases.wait("engine_wait_s", loading, engines.urls)
             for work in sent:
                 if work is not None:
                     work.wait()
@@ -344,7 +358,7 @@ class TensorTransport:
                 dist.all_gather_object(everyone, shared)
                 error = None
                 if engines is not None:
-                    error = _wait(loading, phases)
+                    error = _wait(loading, phases, engines.urls)
                     if error is None:
                         per_engine = [
                             {"buffers": everyone[i : i + self.workers_per_engine], "final": final}
@@ -360,7 +374,7 @@ class TensorTransport:
                         )
                 _agree_on(error)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            _agree_on(_wait(loading, phases) if engines is not None else None)
+            _agree_on(_wait(loading, phases, engines.urls) if engines is not None else None)
         finally:
             staging = handles = None
             torch.cuda.ipc_collect()
@@ -383,18 +397,22 @@ class _PingPong:
         """Flatten bucket ``k`` into its buffer: the filled front of it, the layout, and whether the buffer is new."""
         old = self.buffers[k % 2]
         buffer, layout = flatten_bucket(bucket, self.device, old)
+        add_checksums(buffer, layout)  # what the receiver must find (also waits for the copies)
         new = old is None or buffer.data_ptr() != old.data_ptr()
         if new:
             self.buffers[k % 2] = buffer
         return buffer, layout, new
 
 
-def _wait(future: concurrent.futures.Future | None, phases: MovePhases) -> BaseException | None:
-    """Wait for the engines' answers to a bucket (timed as ``engine_wait_s``); their exception, or None."""
+def _wait(
+    future: concurrent.futures.Future | None, phases: MovePhases, urls: Sequence[str]
+) -> BaseException | None:
+    """Wait for the answers of the engines at ``urls`` to a bucket (timed as ``engine_wait_s``); their exception
+    (a rejection included), or None."""
     if future is None:
         return None
     try:
-        phases.wait("engine_wait_s", future)
+        phases.wait("engine_wait_s", future, urls)
     except Exception as exc:  # every rank must hear of it, or they wait at the next bucket
         return exc
     return None
