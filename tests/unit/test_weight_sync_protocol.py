@@ -3,7 +3,10 @@ with a fake engine group, the disk transport's writer, and the flat buckets the 
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -11,13 +14,20 @@ import torch
 from safetensors.torch import load_file
 
 import vime.backends.vllm_utils.weight_sync as weight_sync
-from vime.backends.vllm_utils.weight_transports import _PingPong, write_hf_safetensors
+from vime.backends.vllm_utils.weight_transports import (
+    BucketRejected,
+    MovePhases,
+    _PingPong,
+    write_hf_safetensors,
+)
 from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE
 from vime.utils.weight_buckets import (
+    add_checksums,
     bucket_layout,
     flatten_bucket,
     in_buckets,
     unflatten_bucket,
+    verify_checksums,
     with_last_flag,
 )
 
@@ -110,6 +120,32 @@ def test_flatten_reuses_a_large_enough_buffer_and_round_trips():
     )
     small, _ = flatten_bucket(bucket, torch.device("cpu"), torch.empty(8, dtype=torch.uint8))
     assert small.numel() == nbytes  # too small: a new buffer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_each_tensor_changed_on_the_way_is_named_by_its_checksum(dtype):
+    g = torch.Generator().manual_seed(0)
+    odd = torch.randint(0, 255, (7,), generator=g, dtype=torch.uint8) if dtype == torch.uint8 else None
+    bucket = [
+        (
+            "model.norm.weight",
+            torch.randn(3, generator=g).to(dtype) if odd is None else odd,
+        ),  # odd byte counts
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(4, 5, generator=g).to(torch.float32)),
+    ]
+    buffer, layout = flatten_bucket(bucket, torch.device("cpu"))
+    add_checksums(buffer, layout)
+    received = buffer.clone()
+    verify_checksums(received, json.loads(json.dumps(layout)))  # the layout travels as JSON
+    for entry in layout:
+        changed = received.clone()
+        changed[entry["offset"]] ^= 1  # one bit of the tensor's first byte
+        with pytest.raises(ValueError, match=rf"{re.escape(entry['name'])} .* arrived changed"):
+            verify_checksums(changed, layout)
+    padding = received.clone()
+    first = bucket[0][1]
+    padding[first.numel() * first.element_size() : layout[1]["offset"]] = 255  # alignment bytes: not checked
+    verify_checksums(padding, layout)
 
 
 def test_ping_pong_buffers_alternate_and_grow():
@@ -278,3 +314,32 @@ def test_an_engine_control_error_crosses_processes_as_itself():
     assert (
         isinstance(error, EngineControlError) and error.url == "http://e1/resume" and "refused" in str(error)
     )
+
+
+def test_move_phases_time_iteration_and_add_the_slowest_worker_per_bucket():
+    phases = MovePhases()
+    assert list(phases.timed("gather_s", iter([1, 2]))) == [1, 2] and phases["gather_s"] > 0
+    with phases.span("pack_s"):
+        pass
+    assert phases["pack_s"] > 0
+    for answers in (
+        [
+            [{"receive_s": 1.0, "load_s": 2.0}, {"receive_s": 3.0, "load_s": 0.5}],
+            [{"receive_s": 0.1, "load_s": 4.0}],
+        ],
+        [[{"load_s": 1.0}], None],  # an engine that answers nothing (vLLM's None) counts for nothing
+    ):
+        done = concurrent.futures.Future()
+        done.set_result(answers)
+        assert phases.wait("engine_wait_s", done, ["http://e0", "http://e1"]) == answers
+    assert phases["engine_receive_s"] == 3.0 and phases["engine_load_s"] == 5.0
+    failed = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("engine refused"))
+    with pytest.raises(RuntimeError, match="engine refused"):
+        phases.wait("engine_wait_s", failed, ["http://e0"])
+    rejected = concurrent.futures.Future()
+    rejected.set_result([[{"load_s": 1.0}], [{"load_s": 1.0}, {"rejected": "w arrived changed"}]])
+    with pytest.raises(
+        BucketRejected, match=r"engine http://e1 \(worker 1\) rejected a bucket: w arrived changed"
+    ):
+        phases.wait("engine_wait_s", rejected, ["http://e0", "http://e1"])

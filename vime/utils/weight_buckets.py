@@ -1,5 +1,7 @@
 """Named tensors in buckets of bounded size (the unit every weight-sync transport moves), and a bucket flattened
 into one byte buffer (what the ``distributed`` and ``tensor`` transports send) with a JSON layout to read it back.
+The sender adds each tensor's checksum of its bytes in the buffer to the layout (:func:`add_checksums`), and the
+receiver checks them before loading (:func:`verify_checksums`): a tensor changed on the way stops the sync, named.
 
 A bucket entry may be a :class:`StackedTensor`: equal-shaped parts that travel as one tensor ``[parts, *shape]``
 without ever being stacked in memory (:func:`flatten_bucket` writes the parts straight into the buffer).
@@ -112,3 +114,35 @@ def unflatten_bucket(buffer: torch.Tensor, layout: list[dict]) -> Bucket:
         view = buffer[entry["offset"] : entry["offset"] + nbytes].view(dtype).view(entry["shape"])
         bucket.append((entry["name"], view))
     return bucket
+
+
+def _checksums(buffer: torch.Tensor, layout: list[dict]) -> list[int]:
+    """Each layout entry's checksum: the sum of its bytes in ``buffer`` read as int32 words (int16 or uint8 where its
+    size is not a multiple of 4 or 2), accumulated in int64. One read of the bytes, no temporary copy, one transfer
+    of all the sums; exact, so the receiver must find the same numbers."""
+    sums = []
+    for entry in layout:
+        dtype = getattr(torch, entry["dtype"])
+        nbytes = dtype.itemsize
+        for size in entry["shape"]:
+            nbytes *= size
+        word = next(w for w in (torch.int32, torch.int16, torch.uint8) if nbytes % w.itemsize == 0)
+        sums.append(buffer[entry["offset"] : entry["offset"] + nbytes].view(word).sum(dtype=torch.int64))
+    return torch.stack(sums).tolist() if sums else []
+
+
+def add_checksums(buffer: torch.Tensor, layout: list[dict]) -> None:
+    """Record each tensor's checksum in ``buffer`` in its layout entry (``checksum``), for the receiver to check."""
+    for entry, value in zip(layout, _checksums(buffer, layout), strict=True):
+        entry["checksum"] = value
+
+
+def verify_checksums(buffer: torch.Tensor, layout: list[dict]) -> None:
+    """Raise ``ValueError`` naming the first tensor whose bytes in ``buffer`` do not have the checksum the sender
+    recorded (entries without one are not checked)."""
+    for entry, value in zip(layout, _checksums(buffer, layout), strict=True):
+        if "checksum" in entry and value != entry["checksum"]:
+            raise ValueError(
+                f"weight sync: {entry['name']} ({entry['dtype']}, shape {entry['shape']}) arrived changed: its "
+                f"bytes sum to {value}, the trainer sent {entry['checksum']}"
+            )

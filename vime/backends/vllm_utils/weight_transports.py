@@ -13,16 +13,22 @@ move and the bytes already staged) and ``move`` (engines paused; returns the byt
   staging buffer shared once per sync through CUDA IPC; the worker loads straight from it.
 
 ``distributed`` and ``tensor`` pipeline two buckets: the next bucket is gathered and flattened (into the other of
-two staging buffers) while the engines load the previous one. They move MoE experts stacked, one tensor per layer
-and projection (``vime.utils.stacked_experts``; ``stacks_experts``); ``disk`` writes HF per-expert tensors.
+two staging buffers) while the engines load the previous one. Each flattened tensor carries its checksum; an engine
+worker that finds one changed loads nothing of that bucket and the sync fails with :class:`BucketRejected`, naming
+the engine and the tensor (the engine keeps running). They move MoE experts stacked, one tensor per layer
+and projection (``vime.utils.stacked_experts``; ``stacks_experts``); ``disk`` writes HF per-expert tensors. After a
+move, rank 0's ``phases`` says where its seconds went (:class:`MovePhases`; ``bench/weight_sync.py`` reports it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import secrets
 import shutil
 import socket
+import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -36,11 +42,12 @@ from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.cuda_ipc import share_cuda_buffer
 from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE, WeightGroup, create_weight_group
 from vime.utils.net import listen_socket
-from vime.utils.weight_buckets import Bucket, flatten_bucket, with_last_flag
+from vime.utils.weight_buckets import Bucket, add_checksums, flatten_bucket, with_last_flag
 
 
 class Transport(Protocol):
     stacks_experts: bool  # whether the buckets it moves may hold stacked experts (vime.utils.stacked_experts)
+    phases: MovePhases  # rank 0's seconds by phase in the last sync
 
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]: ...
 
@@ -48,6 +55,62 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release what it holds across syncs (when the engine set changes)."""
+
+
+class MovePhases(Counter):
+    """Seconds of one ``move`` by phase. On the sending rank: ``move_s`` (all of it), ``gather_s`` (producing the
+    next bucket: the gathers over training ranks), ``pack_s`` (flattening it into a staging buffer, and its checksums),
+    ``engine_wait_s`` (waiting for the engines to finish the previous bucket) and ``send_wait_s`` (waiting for a
+    staging buffer's broadcast to leave it). From the engine workers' own answers, summed over buckets (the slowest
+    worker of each): ``engine_receive_s`` (``distributed``) and ``engine_load_s``."""
+
+    def timed(self, phase: str, items: Iterable) -> Iterator:
+        """``items``, adding the time each ``next()`` takes to ``phase``."""
+        iterator = iter(items)
+        while True:
+            started = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self[phase] += time.perf_counter() - started
+            yield item
+
+    @contextlib.contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        """Add the block's seconds to ``phase``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[phase] += time.perf_counter() - started
+
+    def wait(self, phase: str, future: concurrent.futures.Future, urls: Sequence[str]) -> list:
+        """``future.result()`` (the answers of the engines at ``urls`` to one bucket), adding the wait to ``phase``
+        and the slowest worker's reported ``receive_s``/``load_s`` to ``engine_receive_s``/``engine_load_s``.
+        Raises :class:`BucketRejected` if a worker rejected the bucket."""
+        started = time.perf_counter()
+        try:
+            answers = future.result()
+        finally:
+            self[phase] += time.perf_counter() - started
+        for url, engine in zip(urls, answers or [], strict=False):
+            for worker, report in enumerate(engine or []):
+                if isinstance(report, dict) and report.get("rejected"):
+                    raise BucketRejected(
+                        f"engine {url} (worker {worker}) rejected a bucket: {report['rejected']}"
+                    )
+        reports = [r for engine in answers or [] for r in engine or [] if isinstance(r, dict)]
+        for key in ("receive_s", "load_s"):
+            if values := [r[key] for r in reports if key in r]:
+                self[f"engine_{key}"] += max(values)
+        return answers
+
+
+class BucketRejected(RuntimeError):
+    """An engine worker found a tensor of a bucket changed on the way (its checksum); the engine keeps running with
+    the weights it had loaded so far, and the sync fails."""
 
 
 def _drain(buckets: Iterable[Bucket]) -> int:
@@ -94,13 +157,16 @@ class DiskTransport:
         self.post_write = post_write
         self.version_dir: Path | None = None
         self.token = ""
+        self.phases = MovePhases()
 
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         if rank != 0:
             _drain(buckets)
             return iter(()), 0
+        self.phases = MovePhases()
         self.version_dir = self.directory / f"v{version:07d}"
-        nbytes = write_hf_safetensors(buckets, self.version_dir)
+        with self.phases.span("write_s"):
+            nbytes = write_hf_safetensors(buckets, self.version_dir)
         if self.post_write is not None:  # it sees the weights only
             self.post_write(str(self.version_dir))
         self.token = secrets.token_hex(8)
@@ -109,22 +175,27 @@ class DiskTransport:
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
         if engines is not None:
-            path = str(self.version_dir / SYNC_TOKEN_FILE)
-            seen = engines.run(lambda engine: engine.collective_rpc("read_sync_token", kwargs={"path": path}))
-            for url, tokens in zip(engines.urls, seen, strict=True):
-                if any(token != self.token for token in tokens or [None]):
-                    raise RuntimeError(
-                        f"--update-weight-transport disk: the engine at {url} does not see the weights the trainer "
-                        f"wrote to {self.version_dir} on {socket.gethostname()} (it reads {tokens} from "
-                        f"{SYNC_TOKEN_FILE}, not {self.token!r}): the directory (--update-weight-dir) must be on a "
-                        "filesystem shared by the trainer's node and every engine's node, or use "
-                        "--update-weight-transport distributed"
-                    )
-            kwargs = {"weights_path": str(self.version_dir)}
-            engines.run(lambda engine: engine.collective_rpc("reload_weights_from_path", kwargs=kwargs))
-            if not self.keep_files:
-                shutil.rmtree(self.version_dir)
+            with self.phases.span("move_s"):
+                self._reload(engines)
         return 0
+
+    def _reload(self, engines: EngineGroup) -> None:
+        """Every engine reads the token back, then reloads the version's files (deleted afterwards unless kept)."""
+        path = str(self.version_dir / SYNC_TOKEN_FILE)
+        seen = engines.run(lambda engine: engine.collective_rpc("read_sync_token", kwargs={"path": path}))
+        for url, tokens in zip(engines.urls, seen, strict=True):
+            if any(token != self.token for token in tokens or [None]):
+                raise RuntimeError(
+                    f"--update-weight-transport disk: the engine at {url} does not see the weights the trainer "
+                    f"wrote to {self.version_dir} on {socket.gethostname()} (it reads {tokens} from "
+                    f"{SYNC_TOKEN_FILE}, not {self.token!r}): the directory (--update-weight-dir) must be on a "
+                    "filesystem shared by the trainer's node and every engine's node, or use "
+                    "--update-weight-transport distributed"
+                )
+        kwargs = {"weights_path": str(self.version_dir)}
+        engines.run(lambda engine: engine.collective_rpc("reload_weights_from_path", kwargs=kwargs))
+        if not self.keep_files:
+            shutil.rmtree(self.version_dir)
 
     def close(self) -> None:
         pass
@@ -159,6 +230,7 @@ class DistributedTransport:
         self.timeout_s = timeout_s
         self.world_size = 1 + len(self.engine_urls) * workers_per_engine
         self.group: WeightGroup | None = None
+        self.phases = MovePhases()
 
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         return buckets, 0
@@ -196,17 +268,21 @@ class DistributedTransport:
             return _drain(buckets)
         if self.group is None:
             self.connect(engines)
+        phases = self.phases = MovePhases()
+        started = time.perf_counter()
         staging = _PingPong(self.group.device)
         sent: list[dist.Work | None] = [None, None]
         loading: concurrent.futures.Future | None = None
         nbytes = 0
         try:
-            for k, (bucket, final) in enumerate(with_last_flag(buckets)):
+            for k, (bucket, final) in enumerate(with_last_flag(phases.timed("gather_s", buckets))):
                 if sent[k % 2] is not None:
-                    sent[k % 2].wait()  # the broadcast of bucket k-2 has left this buffer
-                buffer, layout, _ = staging.fill(k, bucket)
+                    with phases.span("send_wait_s"):
+                        sent[k % 2].wait()  # the broadcast of bucket k-2 has left this buffer
+                with phases.span("pack_s"):
+                    buffer, layout, _ = staging.fill(k, bucket)
                 if loading is not None:
-                    loading.result()  # bucket k-1 is in every engine
+                    phases.wait("engine_wait_s", loading, engines.urls)  # bucket k-1 is in every engine
                 kwargs = {"layout": layout, "nbytes": buffer.numel(), "final": final}
                 # the engines must be receiving before the broadcast can finish: the calls start first, then the
                 # broadcast is queued (asynchronous), and the next bucket is gathered meanwhile
@@ -218,13 +294,14 @@ class DistributedTransport:
                 sent[k % 2] = self.group.broadcast(buffer)
                 nbytes += buffer.numel()
             if loading is not None:
-                loading.result()
+                phases.wait("engine_wait_s", loading, engines.urls)
             for work in sent:
                 if work is not None:
                     work.wait()
         except BaseException:
             self.close()  # possibly mid-collective: the next sync builds a new group
             raise
+        phases["move_s"] = time.perf_counter() - started
         return nbytes
 
     def close(self) -> None:
@@ -244,6 +321,7 @@ class TensorTransport:
     def __init__(self, num_workers: int, workers_per_engine: int):
         self.num_workers = num_workers
         self.workers_per_engine = workers_per_engine
+        self.phases = MovePhases()
 
     def stage(self, buckets: Iterator[Bucket], rank: int, version: int) -> tuple[Iterator[Bucket], int]:
         return buckets, 0
@@ -259,25 +337,28 @@ class TensorTransport:
                 f"{self.num_workers} colocated engine workers but {world_size} training ranks: with the tensor "
                 "transport every engine GPU must hold a training rank (--rollout-num-gpus <= the actor's GPUs)"
             )
+        phases = self.phases = MovePhases()
+        started = time.perf_counter()
         staging = _PingPong(torch.device("cuda", torch.cuda.current_device()))
         handles: list[dict | None] = [None, None]
         loading: concurrent.futures.Future | None = None
         nbytes = 0
         try:
-            for k, (bucket, final) in enumerate(with_last_flag(buckets)):
+            for k, (bucket, final) in enumerate(with_last_flag(phases.timed("gather_s", buckets))):
                 # buffer k % 2 is free: bucket k-2's load ended before any rank passed the last status gather
                 shared = None
                 if rank < self.num_workers:
-                    buffer, layout, new = staging.fill(k, bucket)
-                    if new:  # shared once; the engine worker keeps it mapped for the rest of the sync
-                        handles[k % 2] = share_cuda_buffer(buffer)
-                    torch.cuda.current_stream().synchronize()  # written before another process reads it
+                    with phases.span("pack_s"):
+                        buffer, layout, new = staging.fill(k, bucket)
+                        if new:  # shared once; the engine worker keeps it mapped for the rest of the sync
+                            handles[k % 2] = share_cuda_buffer(buffer)
+                        torch.cuda.current_stream().synchronize()  # written before another process reads it
                     shared = {"handle": handles[k % 2], "layout": layout}
                 everyone: list = [None] * world_size
                 dist.all_gather_object(everyone, shared)
                 error = None
                 if engines is not None:
-                    error = _wait(loading)
+                    error = _wait(loading, phases, engines.urls)
                     if error is None:
                         per_engine = [
                             {"buffers": everyone[i : i + self.workers_per_engine], "final": final}
@@ -293,10 +374,11 @@ class TensorTransport:
                         )
                 _agree_on(error)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            _agree_on(_wait(loading) if engines is not None else None)
+            _agree_on(_wait(loading, phases, engines.urls) if engines is not None else None)
         finally:
             staging = handles = None
             torch.cuda.ipc_collect()
+        phases["move_s"] = time.perf_counter() - started
         return nbytes
 
     def close(self) -> None:
@@ -315,18 +397,22 @@ class _PingPong:
         """Flatten bucket ``k`` into its buffer: the filled front of it, the layout, and whether the buffer is new."""
         old = self.buffers[k % 2]
         buffer, layout = flatten_bucket(bucket, self.device, old)
+        add_checksums(buffer, layout)  # what the receiver must find (also waits for the copies)
         new = old is None or buffer.data_ptr() != old.data_ptr()
         if new:
             self.buffers[k % 2] = buffer
         return buffer, layout, new
 
 
-def _wait(future: concurrent.futures.Future | None) -> BaseException | None:
-    """Wait for ``future``; its exception, or None."""
+def _wait(
+    future: concurrent.futures.Future | None, phases: MovePhases, urls: Sequence[str]
+) -> BaseException | None:
+    """Wait for the answers of the engines at ``urls`` to a bucket (timed as ``engine_wait_s``); their exception
+    (a rejection included), or None."""
     if future is None:
         return None
     try:
-        future.result()
+        phases.wait("engine_wait_s", future, urls)
     except Exception as exc:  # every rank must hear of it, or they wait at the next bucket
         return exc
     return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,7 +28,7 @@ from vime.backends.vllm_utils.cuda_ipc import open_cuda_buffer
 from vime.backends.vllm_utils.stacked_expert_loader import load_weights
 from vime.utils.distributed import tcp_store
 from vime.utils.stacked_experts import expand_stacked
-from vime.utils.weight_buckets import unflatten_bucket
+from vime.utils.weight_buckets import unflatten_bucket, verify_checksums
 
 # under vLLM's logger, so that its lines land in the engine's log in vLLM's format
 logger = logging.getLogger("vllm.vime.weight_sync")
@@ -123,29 +124,53 @@ class VimeWorkerExtension:
             timeout_s,
         )
 
-    def update_weights_from_distributed(self, layout: list[dict], nbytes: int, final: bool = True) -> None:
+    def update_weights_from_distributed(self, layout: list[dict], nbytes: int, final: bool = True) -> dict:
         """Receive one bucket, flattened into ``nbytes`` bytes (``layout``: ``weight_buckets.bucket_layout``),
-        broadcast from rank 0, and load it."""
+        broadcast from rank 0, and load it. Returns this worker's ``receive_s`` and ``load_s``, or ``rejected``
+        (see :meth:`_vime_check_and_load`)."""
         group = self._vime_weight_group
         if group is None:
             raise RuntimeError("update_weights_from_distributed before init_weight_update_group")
+        started = time.perf_counter()
         buffer = torch.empty(int(nbytes), dtype=torch.uint8, device=group.device)
         group.broadcast(buffer).wait()
-        self._vime_load(unflatten_bucket(buffer, layout), final)
+        if buffer.is_cuda:
+            torch.cuda.synchronize(buffer.device)  # received, not only queued
+        received = time.perf_counter()
+        if rejected := self._vime_check_and_load(buffer, layout, final):
+            return {"rejected": rejected}
+        return {"receive_s": received - started, "load_s": time.perf_counter() - received}
 
-    def update_weights_from_ipc(self, buffers: list[dict], final: bool = True) -> None:
+    def update_weights_from_ipc(self, buffers: list[dict], final: bool = True) -> dict:
         """``tensor`` transport: map this worker's entry of ``buffers`` (``{"handle", "layout"}``, one per engine
         worker, shared by the training rank on the same GPU) and load the bucket from it. A buffer stays mapped
-        until the ``final`` bucket of the sync (the sender reuses two buffers for every bucket)."""
+        until the ``final`` bucket of the sync (the sender reuses two buffers for every bucket). Returns this
+        worker's ``load_s`` (mapping included), or ``rejected`` (see :meth:`_vime_check_and_load`)."""
+        started = time.perf_counter()
         entry = buffers[self.rank]
         mapped = self.__dict__.setdefault("_vime_ipc_buffers", {})
         key = json.dumps(entry["handle"], sort_keys=True)
         if key not in mapped:
             mapped[key] = open_cuda_buffer(entry["handle"])
-        self._vime_load(unflatten_bucket(mapped[key], entry["layout"]), final)
-        if final:
+        rejected = self._vime_check_and_load(mapped[key], entry["layout"], final)
+        if final or rejected:
             mapped.clear()
             torch.cuda.ipc_collect()
+        return {"rejected": rejected} if rejected else {"load_s": time.perf_counter() - started}
+
+    def _vime_check_and_load(self, buffer: torch.Tensor, layout: list[dict], final: bool) -> str | None:
+        """Check the bucket's checksums, then load it; or, when a tensor arrived changed (on the way, or in a
+        staging buffer the trainer reused too early), load nothing, drop the buckets staged so far in this sync and
+        return why (the trainer fails the sync naming the engine and the tensor). Returned, not raised: vLLM ends
+        the engine when a ``collective_rpc`` raises, and this engine is sound, only this sync's data is not."""
+        try:
+            verify_checksums(buffer, layout)
+        except ValueError as exc:
+            self.__dict__.pop("_vime_staged_weights", None)
+            logger.error("vime weight sync: bucket rejected: %s", exc)
+            return str(exc)
+        self._vime_load(unflatten_bucket(buffer, layout), final)
+        return None
 
     def _vime_load(self, weights: list[tuple[str, torch.Tensor]], final: bool) -> None:
         """Load one bucket of HF-named weights and stacked experts (``vime.utils.stacked_experts``). On GPU straight
