@@ -129,8 +129,25 @@ def main() -> None:
         metavar="N",
         help="between two syncs, also generate N one-token samples of the model's prompts (as a rollout asks)",
     )
+    p.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="the control: the same loop without the syncs (with --generate: does generating alone grow memory?)",
+    )
+    p.add_argument(
+        "--engine-env",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the engine, e.g. allocator settings to compare (MALLOC_ARENA_MAX=2)",
+    )
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "extra", nargs="*", help="more vime flags, after --, e.g. -- --vllm-num-gpu-blocks-override 2048"
+    )
     opts = p.parse_args()
+    if bad := [entry for entry in opts.engine_env if "=" not in entry]:
+        p.error(f"--engine-env {' '.join(bad)}: expected KEY=VALUE")
     if opts.syncs < opts.warmup + opts.every:
         p.error(
             f"--syncs {opts.syncs}: needs at least --warmup + --every ({opts.warmup + opts.every}) for a verdict"
@@ -155,15 +172,19 @@ def main() -> None:
         "--vllm-enforce-eager", "--vllm-max-model-len", "256",
         *(["--bf16", "--vllm-gpu-memory-utilization", "0.3"] if gpu else ["--vllm-dtype", "float32"]),
         *(["--colocate"] if opts.transport == "tensor" else []),
+        *opts.extra,
     ]  # fmt: skip
     args = parse_args(argv)
     trainer = FSDPTrainer(args)
-    engine = VLLMEngine(args, log_path=work / "engine.log", extra_args=EXTENSION)
+    engine_env = dict(entry.split("=", 1) for entry in opts.engine_env)
+    engine = VLLMEngine(args, log_path=work / "engine.log", extra_args=EXTENSION, env=engine_env)
     generator = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
     built: list[torch.Tensor] = []
     samples: list[dict] = []
-    name = f"sync_soak_{opts.shape}_{opts.transport}_{'gpu' if gpu else 'cpu'}" + (
-        f"_generate{opts.generate}" if opts.generate else ""
+    name = (
+        f"sync_soak_{opts.shape}_{opts.transport}_{'gpu' if gpu else 'cpu'}"
+        + (f"_generate{opts.generate}" if opts.generate else "")
+        + ("_no-sync" if opts.no_sync else "")
     )
     me = psutil.Process()
     prompts = [json.loads(line)["prompt"] for line in (model_dir / "train.jsonl").read_text().splitlines()]
@@ -176,7 +197,8 @@ def main() -> None:
             buckets = trainer.iter_weight_buckets(
                 args.update_weight_buffer_size, stack_experts=transport.stacks_experts
             )
-            sync_weights([engine.url], buckets, transport, sync)
+            if not opts.no_sync:
+                sync_weights([engine.url], buckets, transport, sync)
             if opts.generate:
                 generate(engine.url, str(model_dir), prompts, opts.generate)
             if sync % opts.every == 0:
@@ -221,6 +243,9 @@ def write_summary(opts: argparse.Namespace, name: str, samples: list[dict]) -> N
                 "every": opts.every,
                 "warmup": opts.warmup,
                 "generate": opts.generate,
+                "no_sync": opts.no_sync,
+                "engine_env": opts.engine_env,
+                "extra": opts.extra,
             },
             "verdict": found,
             "samples": samples,
