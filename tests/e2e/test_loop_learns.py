@@ -1,9 +1,11 @@
 """The quick start's configuration, end to end on CPU, learns: ``train.py`` (the default rollout) and
 ``train_async.py`` (with the fully-async rollout, samples up to ``--max-staleness`` versions old) both take the mean
 rollout reward from below 0.3 to above 0.8, with engine and trainer log-probs agreeing at the fp32 level where both
-hold the same weights, and leave no process behind. Both roll out on the pooled engines
-(``--rollout-external-engine-addrs``): each run pushes its weights into them before rollout 0, and they keep serving
-its last weights after it exits.
+hold the same weights, and leave no process behind. The two runs go side by side, each on one of the pooled engines
+(``--rollout-external-engine-addrs``; one engine, as in the quick start): each run pushes its weights into its engine
+before rollout 0, and the engine keeps serving its last weights after it exits. Side by side, because each run spends
+much of its time waiting on itself (start-up, then generate, train and sync in turn): the file takes about three
+quarters of the time it took with the runs one after the other.
 
 The ``train_async.py`` run also checks the fully-async rollout's bookkeeping: no trained sample lags the weights that
 train on it by more than ``--max-staleness`` (read from every sample's ``weight_versions`` in
@@ -19,6 +21,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +42,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 MAX_STALENESS = 2
 ROLLOUT_DATA = "rollouts/{rollout_id}.json"
-# script -> (its flags, rollouts). The 5-step mean first passes 0.8 at ~45 in both (seen 43-47 over four runs).
+# script -> (its flags, rollouts). The 5-step mean first passes 0.8 at ~50 in both: seen 43-47 over four runs on two
+# engines; on 2026-11-27 (train.py, train_async.py) 49, 49 and 49, 54 on two engines one after the other, and 48, 52;
+# 50, 51; 47, 48 on one engine each, side by side.
 CASES = {
     "train.py": ([], 60),
     "train_async.py": (
@@ -61,53 +66,82 @@ def _quickstart_argv(model_dir: Path, run_dir: Path, num_rollout: int) -> list[s
     return module.quickstart_argv(model_dir, run_dir, num_rollout)
 
 
-@pytest.mark.parametrize("script", list(CASES))
-def test_quickstart_config_reward_rises_above_0_8(script, tiny_model_dir, tmp_path, engine_pool):
-    marker = new_marker(f"learns-{script}")
+def test_quickstart_config_reward_rises_above_0_8(tiny_model_dir, tmp_path, engine_pool):
+    """Both loops at once, ``CASES``'s script ``i`` on pooled engine ``i``; then each run's checks."""
+    runs = {}
+    try:
+        for script, addr in zip(CASES, engine_pool.addrs(), strict=True):
+            run_dir = tmp_path / script.removesuffix(".py")
+            run_dir.mkdir()
+            marker = new_marker(f"learns-{script}")
+            runs[script] = (run_dir, marker, _start(script, addr, tiny_model_dir, run_dir, marker))
+        deadline = time.monotonic() + 840
+        for script, (run_dir, _, proc) in runs.items():
+            returncode = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            assert returncode == 0, f"{script}: {(run_dir / 'stderr.txt').read_text()[-3000:]}"
+    finally:
+        for _, _, proc in runs.values():
+            proc.kill()  # only one still running (a failure or a timeout)
+    for i, (script, (run_dir, marker, _)) in enumerate(runs.items()):
+        _check_run(
+            script, run_dir, marker, engine_pool.urls[i], tiny_model_dir, engine_pool.base_log_probs[i]
+        )
+
+
+def _start(script: str, addr: str, model_dir: Path, run_dir: Path, marker: str) -> subprocess.Popen:
+    """``script`` with the quick start's flags (and its ``CASES`` flags) on the engine at ``addr``; its output in
+    ``run_dir``/stdout.txt and stderr.txt."""
     flags, num_rollout = CASES[script]
     argv = [
-        sys.executable, str(REPO / script), *without_vllm_flags(_quickstart_argv(tiny_model_dir, tmp_path, num_rollout)),
-        "--rollout-external-engine-addrs", *engine_pool.addrs(), "--save-hf", str(tmp_path / "hf_last"),
-        *[str(tmp_path / flag) if flag == ROLLOUT_DATA else flag for flag in flags],
+        sys.executable, str(REPO / script), *without_vllm_flags(_quickstart_argv(model_dir, run_dir, num_rollout)),
+        "--rollout-external-engine-addrs", addr, "--save-hf", str(run_dir / "hf_last"),
+        *[str(run_dir / flag) if flag == ROLLOUT_DATA else flag for flag in flags],
     ]  # fmt: skip
-    result = subprocess.run(
-        argv, capture_output=True, text=True, timeout=840, cwd=tmp_path, env=run_env(marker)
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(tmp_path / "logs")
+    with open(run_dir / "stdout.txt", "w") as stdout, open(run_dir / "stderr.txt", "w") as stderr:
+        return subprocess.Popen(
+            argv, stdout=stdout, stderr=stderr, text=True, cwd=run_dir, env=run_env(marker)
+        )
+
+
+def _check_run(
+    script: str, run_dir: Path, marker: str, url: str, model_dir: Path, base_log_probs: list[float]
+) -> None:
+    """One run learned, kept the fp32 agreement, evaluated, checkpointed, left no process, and left its engine
+    serving its last weights."""
+    _, num_rollout = CASES[script]
+    records = read_metrics(run_dir / "logs")
     train = [r for r in records if "rollout/reward_mean" in r]
     assert [r["rollout_id"] for r in train] == list(range(num_rollout))
     rewards = [r["rollout/reward_mean"] for r in train]
     moving = [
         sum(rewards[i : i + 5]) / 5 for i in range(len(rewards) - 4)
     ]  # 5-step means (rewards are sampled)
-    assert moving[0] < 0.3, rewards[:5]
+    assert moving[0] < 0.3, (script, rewards[:5])
     # With the recipe's learning-rate warm-up, 10 of 10 seeds pass a 5-step mean of 0.9 by step ~60 (README); before
     # it, a few prompts sometimes collapsed on a wrong answer (all samples wrong: no GRPO signal) near 0.7.
-    assert max(moving) > 0.8, rewards
-    assert sum(rewards[-10:]) / 10 > 0.75, rewards  # ... and stays learned
+    assert max(moving) > 0.8, (script, rewards)
+    assert sum(rewards[-10:]) / 10 > 0.75, (script, rewards)  # ... and stays learned
     # train.py trains every rollout on the weights that generated it (fp32 both sides agree to ~3e-7); train_async.py
     # trains rollout k on weights newer than those that generated it, so there only step 0 compares the same policy.
-    assert train[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert train[0]["train/train_rollout_logprob_abs_diff"] < 1e-5, script
     if script == "train.py":
         assert max(r["train/train_rollout_logprob_abs_diff"] for r in train) < 1e-5
     else:
-        _check_fully_async_bookkeeping(tmp_path, train, num_rollout)
-    assert [r for r in records if "eval/add3/mean_reward" in r], "no eval record"
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(
+        _check_fully_async_bookkeeping(run_dir, train, num_rollout)
+    assert [r for r in records if "eval/add3/mean_reward" in r], f"{script}: no eval record"
+    assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(
         num_rollout - 1
     )
-    assert wait_until_no_marked_processes(marker, timeout=30) == []
-    # the run left the external engines running, serving its last weights (the --save-hf export of the last step)
-    final = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_last", dtype=torch.float32)
+    assert wait_until_no_marked_processes(marker, timeout=30) == [], script
+    # the run left its external engine running, serving its last weights (the --save-hf export of the last step)
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "hf_last", dtype=torch.float32)
     with torch.no_grad():
         logits = final(torch.tensor([PROBE_TOKENS])).logits[0, :-1].log_softmax(-1)
     expected = logits.gather(-1, torch.tensor(PROBE_TOKENS[1:])[:, None])[:, 0].tolist()
-    with EngineGroup(engine_pool.urls) as engines:
-        served = engines.run(lambda engine: engine.prompt_log_probs(str(tiny_model_dir), PROBE_TOKENS))
-    for log_probs in served:
-        assert max(abs(a - b) for a, b in zip(log_probs, expected, strict=True)) < 1e-5, (log_probs, expected)
-    assert served[0] != engine_pool.base_log_probs[0]  # they moved from the checkpoint's weights
+    with EngineGroup([url]) as engines:
+        (served,) = engines.run(lambda engine: engine.prompt_log_probs(str(model_dir), PROBE_TOKENS))
+    assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) < 1e-5, (script, served, expected)
+    assert served != base_log_probs, script  # it moved from the checkpoint's weights
 
 
 def _check_fully_async_bookkeeping(run_dir: Path, train: list[dict], num_rollout: int) -> None:
