@@ -323,9 +323,9 @@ def read_metrics(log_dir: Path) -> list[dict]:
 def release_sync_when_replacement_is_up(
     log_dir: Path, hold_dir: Path, version: int, done: threading.Event
 ) -> None:
-    """Hold weight sync ``version`` (``HOLD_ENV``) until a replaced engine's server is up, so the sync after it
-    reaches the replacement and the last rollout runs on it too (a run of a few seconds per rollout would otherwise
-    end before a 20 s start)."""
+    """Hold weight sync ``version`` (``hold_dir/hold_<version>``, for a run with ``sync_hold``'s hook) until a replaced
+    engine's server is up, so the sync after it reaches the replacement and the last rollout runs on it too (a run of
+    a few seconds per rollout would otherwise end before a 20 s start)."""
     while not done.is_set():
         if any(
             "Application startup complete" in p.read_text(errors="replace")

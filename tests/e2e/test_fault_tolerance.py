@@ -38,9 +38,9 @@ from conftest import (
     run_env,
     wait_until_no_marked_processes,
 )
+from sync_hold import HOLD_ENV, HOOK, HOOK_DIR
 
 from vime.backends.vllm_utils.engine import SERVER_MODULES
-from vime.backends.vllm_utils.weight_sync import HOLD_ENV
 from vime.ray.rollout import LOG_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
@@ -174,7 +174,8 @@ class FaultScript(threading.Thread):
         )
 
     def hold(self, version: int) -> None:
-        """Weight sync ``version`` waits, once it has paused its engines, until :meth:`release`."""
+        """Weight sync ``version`` waits, once it has paused its engines, until :meth:`release` (the run's
+        ``--custom-update-weight-paused-path`` hook, ``sync_hold.hold``)."""
         (self.hold_dir / f"hold_{version}").touch()
 
     def release(self, version: int) -> None:
@@ -443,6 +444,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
         "--save-debug-rollout-data", str(tmp_path / "rollouts" / "rollout_{rollout_id}.json"),
         "--log-dir", str(log_dir), "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "192",
         "--check-weight-update-equal",  # every sync, sync retry and push to stranded replacements checks the engines
+        "--custom-update-weight-paused-path", HOOK,  # the script's hold points (FaultScript.hold)
         *flags,
     ]  # fmt: skip
     faults.start()
@@ -455,7 +457,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
             cwd=tmp_path,
             env=run_env(
                 marker,
-                PYTHONPATH=str(REPO),
+                PYTHONPATH=os.pathsep.join([str(REPO), HOOK_DIR]),
                 VLLM_ENABLE_V1_MULTIPROCESSING=str(int(cpu_layout)),
                 **{HOLD_ENV: str(hold_dir)},
             ),

@@ -38,9 +38,9 @@ from conftest import (
     release_sync_when_replacement_is_up,
     wait_until_no_marked_processes,
 )
+from sync_hold import HOLD_ENV, HOOK, HOOK_DIR
 
 from vime.backends.vllm_utils.engine import SERVER_MODULES
-from vime.backends.vllm_utils.weight_sync import HOLD_ENV
 from vime.ray.engine_actor import NodeEngines
 from vime.ray.placement_group import EnginePlacement
 from vime.utils.process_group import group_members
@@ -57,14 +57,15 @@ ENGINE_LINE = re.compile(
 @pytest.fixture
 def two_nodes(monkeypatch, tmp_path):
     """A head (2 CPUs) and a second node (1 CPU); their processes carry a marker (the nodes inherit this process's
-    environment, and their workers the nodes'), and weight sync 3 is held (``HOLD_ENV``, ``tmp_path/hold``)."""
+    environment, and their workers the nodes'), and weight sync 3 is held (``sync_hold``: ``HOLD_ENV``,
+    ``tmp_path/hold``; the nodes' workers import the hook from ``HOOK_DIR``)."""
     from ray.cluster_utils import Cluster
 
     marker = new_marker("two-nodes")
     monkeypatch.setenv(RUN_MARKER_ENV, marker)
     for key, value in OFFLINE_ENV.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), HOOK_DIR]))
     (tmp_path / "hold").mkdir()
     (tmp_path / "hold" / "hold_3").touch()
     monkeypatch.setenv(HOLD_ENV, str(tmp_path / "hold"))
@@ -183,6 +184,7 @@ def test_one_engine_per_node_owned_there_synced_and_restarted_there(
         "--n-samples-per-prompt", "4", "--rollout-max-response-len", "2", "--num-rollout", str(NUM_ROLLOUT),
         "--lr", "1e-2", "--rollout-num-gpus", "2", "--router-policy", "round_robin", "--log-dir", str(log_dir),
         "--use-fault-tolerance", "--rollout-health-check-interval", "1",  # timeout: the default 30 s (see FT e2e)
+        "--custom-update-weight-paused-path", HOOK,  # sync 3 held (the fixture)
         *TEST_VLLM_FLAGS,
     ]  # fmt: skip
     run = subprocess.Popen(

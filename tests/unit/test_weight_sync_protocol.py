@@ -54,6 +54,8 @@ class RecordingEngines:
 
 
 class FakeTransport:
+    stacks_experts = False
+
     def __init__(self, fail: bool = False):
         self.fail = fail
 
@@ -98,6 +100,44 @@ def test_engines_resume_when_the_move_fails(engines):
 def test_other_ranks_only_take_part_in_the_move(engines):
     assert weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(), version=1, rank=1) == {}
     assert engines.calls == ["stage"]
+
+
+def test_the_paused_hook_runs_between_pause_and_move_and_the_engines_resume_when_it_fails(engines):
+    def on_paused(version, urls):
+        engines.calls.append(("hook", version, urls))
+
+    weight_sync.sync_weights(["http://e0", "http://e1"], _buckets(), FakeTransport(), 3, on_paused=on_paused)
+    assert engines.calls == ["stage", "pause", ("hook", 3, ["http://e0", "http://e1"]), "move",
+                             "reset_prefix_cache", "resume", "close"]  # fmt: skip
+
+    def fails(version, urls):
+        raise RuntimeError("hook failed")
+
+    engines.calls = []
+    with pytest.raises(RuntimeError, match="hook failed"):
+        weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(), 4, on_paused=fails)
+    assert engines.calls == ["stage", "pause", "resume", "close"]
+
+
+def paused_hook(args, version, engine_urls):
+    """A --custom-update-weight-paused-path hook: records what it saw."""
+    SEEN_BY_HOOK.append((args.marker, version, engine_urls))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_trainer_entry_runs_the_paused_hook_flag_on_rank_0_only(engines, monkeypatch, rank):
+    from types import SimpleNamespace
+
+    class Trainer:
+        def iter_weight_buckets(self, buffer_size, stack_experts):
+            return _buckets()
+
+    monkeypatch.setattr(weight_sync, "make_transport", lambda *a: FakeTransport())
+    SEEN_BY_HOOK.clear()
+    args = SimpleNamespace(update_weight_buffer_size=1024, marker="mine", flush_cache_interval=None,
+                           custom_update_weight_paused_path=f"{__name__}.paused_hook")  # fmt: skip
+    weight_sync.sync_weights_from_trainer(Trainer(), rank, args, ["http://e0"], 5, None)
+    assert SEEN_BY_HOOK == ([("mine", 5, ["http://e0"])] if rank == 0 else [])
 
 
 def test_buckets_and_the_last_flag():

@@ -1,9 +1,10 @@
 """Trainer -> vLLM engines weight sync (DESIGN.md §5): one protocol, three transports (``weight_transports.py``).
 
 Per sync, on every training rank: let the transport stage what it can while engines still generate (``disk``
-writes its files) -> ``pause(mode="keep")`` every engine -> move the weights (the transport) -> label them with the
-version (``--flush-cache-interval``) -> ``reset_prefix_cache`` -> ``resume`` (always, also when the move failed; the
-error is then re-raised). Only rank 0 talks to the engines, directly, never through the router.
+writes its files) -> ``pause(mode="keep")`` every engine -> the ``on_paused`` hook, if any
+(``--custom-update-weight-paused-path``) -> move the weights (the transport) -> label them with the version
+(``--flush-cache-interval``) -> ``reset_prefix_cache`` -> ``resume`` (always, also when the hook or the move failed;
+the error is then re-raised). Only rank 0 talks to the engines, directly, never through the router.
 
 A paused request keeps its KV cache and finishes on the new weights (the prefix cache is dropped only where no
 request holds it). A full refresh (:func:`vime.utils.inflight.is_full_refresh`) pauses with ``mode="abort"``
@@ -16,10 +17,10 @@ TP/PP/EP ranks), so EVERY training rank calls :func:`sync_weights` with its own 
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 from vime.backends.vllm_utils.control_client import EngineGroup
@@ -35,7 +36,6 @@ from vime.utils.misc import load_function
 from vime.utils.weight_buckets import Bucket
 
 __all__ = ["sync_weights", "sync_weights_from_trainer", "make_transport", "write_hf_safetensors"]
-HOLD_ENV = "VIME_TEST_HOLD_SYNC_DIR"
 
 
 def sync_weights(
@@ -46,9 +46,11 @@ def sync_weights(
     rank: int = 0,
     full_refresh: bool = False,
     label: bool = False,
+    on_paused: Callable[[int, list[str]], None] | None = None,
 ) -> dict[str, float]:
     """Push ``buckets`` to every engine at ``engine_urls`` as weight version ``version`` (see the module docstring);
-    ``full_refresh``: abort the requests in flight and drop the prefix cache; ``label``: tell the engines the version.
+    ``full_refresh``: abort the requests in flight and drop the prefix cache; ``label``: tell the engines the version;
+    ``on_paused(version, engine_urls)`` runs on rank 0 once every engine is paused, before the weights move.
     Rank 0 returns ``weight_sync/time_s`` (pause to resume, staging included), ``weight_sync/bytes``,
     ``weight_sync/gb_per_s``, ``weight_sync/version``, ``weight_sync/engines`` (how many it reached: fewer than
     the run's while a replacement starts) and ``weight_sync/full_refresh`` (1 or 0); the other ranks return ``{}``."""
@@ -57,8 +59,9 @@ def sync_weights(
         buckets, staged_bytes = transport.stage(buckets, rank, version)
         if engines is not None:
             engines.run(lambda engine: engine.pause(mode="abort" if full_refresh else "keep"))
-            _hold_for_tests(version)
         try:
+            if engines is not None and on_paused is not None:
+                on_paused(version, list(engine_urls))
             moved_bytes = transport.move(buckets, engines, rank)
             if engines is not None:
                 if label:
@@ -85,19 +88,6 @@ def sync_weights(
         "weight_sync/engines": float(len(engine_urls)),
         "weight_sync/full_refresh": float(full_refresh),
     }
-
-
-def _hold_for_tests(version: int) -> None:
-    """A fault-injection point for tests: with ``$VIME_TEST_HOLD_SYNC_DIR`` set and a file ``hold_<version>`` in that
-    directory, sync ``version`` writes ``paused_<version>`` there once every engine is paused and waits (up to 10
-    minutes) until the test removes ``hold_<version>``, e.g. after killing an engine in the middle of the sync."""
-    directory = os.environ.get(HOLD_ENV)
-    if not directory or not (hold := Path(directory) / f"hold_{version}").exists():
-        return
-    (Path(directory) / f"paused_{version}").touch()
-    deadline = time.monotonic() + 600
-    while hold.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 # The transport of the current engine set, per transport name (the distributed one holds its weight group, so a new
@@ -144,10 +134,17 @@ def sync_weights_from_trainer(
 ) -> dict[str, float]:
     """Blocking entry for a training rank (every rank calls it): the trainer's weights in buckets of
     ``--update-weight-buffer-size`` bytes over ``--update-weight-transport`` (MoE experts stacked where the transport
-    moves them so), as a full refresh or in place per ``--flush-cache-interval``."""
+    moves them so), as a full refresh or in place per ``--flush-cache-interval``; rank 0 runs
+    ``--custom-update-weight-paused-path`` while the engines are paused."""
     transport = make_transport(args, engine_urls, disk_dir, rank)
     buckets = trainer.iter_weight_buckets(
         args.update_weight_buffer_size, stack_experts=transport.stacks_experts
     )
     refresh = is_full_refresh(args.flush_cache_interval, version)
-    return sync_weights(engine_urls, buckets, transport, version, rank, refresh, records_token_versions(args))
+    hook_path = args.custom_update_weight_paused_path if rank == 0 else None
+    on_paused = (
+        partial(load_function(hook_path, "--custom-update-weight-paused-path"), args) if hook_path else None
+    )
+    return sync_weights(
+        engine_urls, buckets, transport, version, rank, refresh, records_token_versions(args), on_paused
+    )

@@ -63,6 +63,16 @@ SYNC = [
         ),
     ),
     (
+        "--custom-update-weight-paused-path",
+        dict(
+            default=None,
+            help="hook(args, version, engine_urls) on training rank 0 in every weight sync (any transport), once "
+            "every engine it reaches is paused and before the weights move: the engines serve nothing while it "
+            "runs (e.g. to record their state, notify a monitor, or hold the sync to inject a fault in a test). "
+            "An exception fails the sync; the engines are resumed.",
+        ),
+    ),
+    (
         "--check-weight-update-equal",
         dict(
             action="store_true",
