@@ -55,11 +55,8 @@ RUN_EVENTS = re.compile(
 LEFT_STOPPED_S = 30.0  # a run process stopped this long, and not by a hang strike, was left frozen by a poll
 THAW_S = 0.2  # how long the engines run between two polls for a rollout's requests (a rollout takes over 1 s)
 # the run's health checks see an engine core frozen past --rollout-health-check-timeout (30 s) as hung: a poll that
-# kept the engines frozen longer than this (a slow /metrics on a loaded machine) strikes nothing and lets them run.
-# Under half the timeout, so a core probe that starts during a freeze still answers in time. At 4 s, on a machine at
-# load ~19, rollout 4 (1.1 s) once ran to its end unstruck; polls slower than the limit are the likely cause (that
-# run's log did not keep the freeze times).
-FREEZE_LIMIT_S = 12.0
+# kept the engines frozen longer than this (a slow /metrics on a loaded machine) strikes nothing and lets them run
+FREEZE_LIMIT_S = 4.0
 
 
 def _prometheus(url: str, timeout: float = 5.0) -> dict[str, float]:
