@@ -4,6 +4,7 @@ JSON result."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -115,3 +116,10 @@ def write_result(path: str | Path, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"[bench] {result.get('summary', '')}  -> {path}", flush=True)
+
+
+def env_entries(parser: argparse.ArgumentParser, flag: str, entries: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` entries of ``flag`` as a dict; a parser error naming the malformed ones."""
+    if bad := [entry for entry in entries if "=" not in entry]:
+        parser.error(f"{flag} {' '.join(bad)}: expected KEY=VALUE")
+    return dict(entry.split("=", 1) for entry in entries)

@@ -29,7 +29,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from bench.shapes import build_shape, write_result  # noqa: E402
+from bench.shapes import build_shape, env_entries, write_result  # noqa: E402
 
 EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
 MIB = 2**20
@@ -146,8 +146,7 @@ def main() -> None:
         "extra", nargs="*", help="more vime flags, after --, e.g. -- --vllm-num-gpu-blocks-override 2048"
     )
     opts = p.parse_args()
-    if bad := [entry for entry in opts.engine_env if "=" not in entry]:
-        p.error(f"--engine-env {' '.join(bad)}: expected KEY=VALUE")
+    engine_env = env_entries(p, "--engine-env", opts.engine_env)
     if opts.syncs < opts.warmup + opts.every:
         p.error(
             f"--syncs {opts.syncs}: needs at least --warmup + --every ({opts.warmup + opts.every}) for a verdict"
@@ -176,7 +175,6 @@ def main() -> None:
     ]  # fmt: skip
     args = parse_args(argv)
     trainer = FSDPTrainer(args)
-    engine_env = dict(entry.split("=", 1) for entry in opts.engine_env)
     engine = VLLMEngine(args, log_path=work / "engine.log", extra_args=EXTENSION, env=engine_env)
     generator = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
     built: list[torch.Tensor] = []

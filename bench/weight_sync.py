@@ -29,7 +29,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from bench.shapes import build_shape, trainer_flags, write_result  # noqa: E402
+from bench.shapes import build_shape, env_entries, trainer_flags, write_result  # noqa: E402
 
 EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
 SEQUENCE = [5, 17, 9, 30, 12, 7, 22, 14, 3, 40, 11, 26, 8, 19, 33, 4]
@@ -120,9 +120,7 @@ def main() -> None:
     )
     p.add_argument("--out", default=None)
     opts = p.parse_args()
-    if bad := [entry for entry in opts.env if "=" not in entry]:
-        p.error(f"--env {' '.join(bad)}: expected KEY=VALUE")
-    env = dict(entry.split("=", 1) for entry in opts.env)
+    env = env_entries(p, "--env", opts.env)
     os.environ.update(env)
 
     from vime.backends.vllm_utils.engine import VLLMEngine
