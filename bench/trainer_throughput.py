@@ -23,7 +23,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 
 import torch  # noqa: E402
 
-from bench.shapes import PEAK_BF16_FLOPS, build_shape, matmul_params, trainer_flags, write_result  # noqa: E402
+from bench.shapes import MOE_SHAPE, PEAK_BF16_FLOPS, build_shape, matmul_params, trainer_flags, write_result  # noqa: E402
 
 
 def trainer_argv(opts, model_dir: Path) -> list[str]:
@@ -46,6 +46,7 @@ def trainer_argv(opts, model_dir: Path) -> list[str]:
         elif opts.recompute == "selective":
             argv += ["--recompute-granularity", "selective"]
         argv += ["--use-distributed-optimizer"] if int(os.environ.get("WORLD_SIZE", "1")) > 1 else []
+        argv += ["--moe-grouped-gemm"] if opts.grouped_gemm and MOE_SHAPE.fullmatch(opts.shape) else []
     elif opts.recompute != "none":
         argv += ["--gradient-checkpointing"]
     return argv + opts.extra
@@ -79,6 +80,12 @@ def main() -> None:
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="full")
     p.add_argument("--steps", type=int, default=3, help="steps after the warm-up one")
     p.add_argument(
+        "--grouped-gemm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--moe-grouped-gemm for MoE shapes (Megatron); --no-grouped-gemm runs the experts one by one",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="profile the last step's CUDA kernels (table in $OUT); use few --samples",
@@ -106,7 +113,7 @@ def main() -> None:
         from vime.backends.fsdp_utils.trainer import FSDPTrainer as Trainer
     config = (
         f"{opts.backend}_{opts.shape}_{world}gpu_recompute-{opts.recompute}_mtpg{opts.max_tokens_per_gpu}"
-    )
+    ) + ("_sequential-experts" if MOE_SHAPE.fullmatch(opts.shape) and not opts.grouped_gemm else "")
     out_path = opts.out or f"bench/results/trainer_{config}.json"
     started = time.monotonic()
     try:

@@ -118,6 +118,14 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="environment for this process and the engine, e.g. NCCL settings to compare (NCCL_MIN_NCHANNELS=32)",
     )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=8.0,
+        help="the engine's KV cache (--vllm-kv-cache-memory-bytes): vLLM's prefix-cache reset after every sync walks "
+        "every block, so a few-layer shape given a whole GPU (about 760k blocks for 30b-a3b-4l at 0.8 of an H200) "
+        "pays for a pool 12 x larger than its 48-layer model would have; 0 sizes it by the GPU share",
+    )
     p.add_argument("--out", default=None)
     opts = p.parse_args()
     env = env_entries(p, "--env", opts.env)
@@ -140,7 +148,7 @@ def main() -> None:
         "--num-rollout", "1", "--update-weight-buffer-size", str(opts.buffer_size_mb * 2**20),
         "--vllm-enforce-eager", "--vllm-max-model-len", "256",
         "--vllm-gpu-memory-utilization", "0.8" if split else "0.3",
-    ]  # fmt: skip
+    ] + (["--vllm-kv-cache-memory-bytes", str(int(opts.kv_cache_gib * 2**30))] if opts.kv_cache_gib else [])  # fmt: skip
     args = parse_args(argv + (["--colocate"] if "tensor" in opts.transports else []))
     if opts.backend == "megatron":
         from vime.backends.megatron_utils.trainer import MegatronTrainer as Trainer
@@ -182,8 +190,11 @@ def main() -> None:
                 diff = float((engine_log_probs(engine.url, str(model_dir)) - want).abs().mean())
                 stale = float((before - want).abs().mean())
                 phases = dict(transport.phases)
-                phases["control_s"] = (
-                    metrics["weight_sync/time_s"] - phases.get("move_s", 0.0) - phases.get("write_s", 0.0)
+                phases.update(
+                    {phase: metrics[f"weight_sync/{phase}"] for phase in ("pause_s", "reset_s", "resume_s")},
+                    control_s=metrics["weight_sync/time_s"]
+                    - phases.get("move_s", 0.0)
+                    - phases.get("write_s", 0.0),
                 )
                 run = {
                     "gb_per_s": metrics["weight_sync/gb_per_s"],
@@ -228,6 +239,7 @@ def write_summary(opts: argparse.Namespace, name: str, ceiling: float, results: 
                 "engine_gpu": "second GPU" if "distributed" in opts.transports else "the trainer's GPU",
                 "repeats": repeats,
                 "logprob_tol": opts.logprob_tol,
+                "kv_cache_gib": opts.kv_cache_gib,
                 "env": opts.env,
             },  # fmt: skip
             "device_copy_gb_per_s": ceiling,

@@ -219,6 +219,7 @@ def engine_samples(model_dir: str, dtype: str, log_path: Path):
     )  # fmt: skip
     flags, env = engine_options(on_gpu=True)
     engine = VLLMEngine(args, log_path=log_path, extra_args=flags, env=env)
+    replaying = argparse.Namespace(**{**vars(args), "use_rollout_routing_replay": True})  # R3 on
     samples = []
     with engine:
         engine.wait_ready_sync(900)
@@ -231,7 +232,7 @@ def engine_samples(model_dir: str, dtype: str, log_path: Path):
             assert response.status_code == 200, response.text
             for choice in response.json()["choices"]:
                 sample = Sample(index=len(samples), tokens=list(prompt), reward=float(len(samples) % 2))
-                _apply_choice(argparse.Namespace(use_rollout_routing_replay=True), sample, choice, 0)
+                _apply_choice(replaying, sample, choice, 0)
                 samples.append(sample)
     return samples
 

@@ -89,6 +89,8 @@ def test_protocol_pauses_moves_resets_and_resumes_in_order(engines):
     assert metrics["weight_sync/bytes"] == 20 and metrics["weight_sync/version"] == 7
     assert metrics["weight_sync/engines"] == 2
     assert metrics["weight_sync/gb_per_s"] > 0
+    control = [metrics[f"weight_sync/{phase}"] for phase in ("pause_s", "reset_s", "resume_s")]
+    assert min(control) >= 0 and sum(control) <= metrics["weight_sync/time_s"]
 
 
 def test_engines_resume_when_the_move_fails(engines):

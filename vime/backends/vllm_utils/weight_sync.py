@@ -51,22 +51,27 @@ def sync_weights(
     """Push ``buckets`` to every engine at ``engine_urls`` as weight version ``version`` (see the module docstring);
     ``full_refresh``: abort the requests in flight and drop the prefix cache; ``label``: tell the engines the version;
     ``on_paused(version, engine_urls)`` runs on rank 0 once every engine is paused, before the weights move.
-    Rank 0 returns ``weight_sync/time_s`` (pause to resume, staging included), ``weight_sync/bytes``,
+    Rank 0 returns ``weight_sync/time_s`` (pause to resume, staging included), of it ``weight_sync/pause_s``,
+    ``weight_sync/reset_s`` (labelling and the prefix-cache reset) and ``weight_sync/resume_s``, ``weight_sync/bytes``,
     ``weight_sync/gb_per_s``, ``weight_sync/version``, ``weight_sync/engines`` (how many it reached: fewer than
     the run's while a replacement starts) and ``weight_sync/full_refresh`` (1 or 0); the other ranks return ``{}``."""
     start = time.perf_counter()
+    control = {"pause_s": 0.0, "reset_s": 0.0, "resume_s": 0.0}
     with EngineGroup(engine_urls) if rank == 0 else nullcontext() as engines:
         buckets, staged_bytes = transport.stage(buckets, rank, version)
         if engines is not None:
             engines.run(lambda engine: engine.pause(mode="abort" if full_refresh else "keep"))
+            control["pause_s"] = time.perf_counter() - start
         try:
             if engines is not None and on_paused is not None:
                 on_paused(version, list(engine_urls))
             moved_bytes = transport.move(buckets, engines, rank)
             if engines is not None:
+                moved = time.perf_counter()
                 if label:
                     engines.run(lambda engine: engine.set_weight_version(version))
                 dropped = engines.run(lambda engine: engine.reset_prefix_cache())
+                control["reset_s"] = time.perf_counter() - moved
                 if full_refresh and not all(dropped):
                     kept = [url for url, ok in zip(engine_urls, dropped, strict=True) if not ok]
                     raise RuntimeError(
@@ -75,13 +80,16 @@ def sync_weights(
                     )
         finally:
             if engines is not None:
+                resuming = time.perf_counter()
                 engines.run(lambda engine: engine.resume())
+                control["resume_s"] = time.perf_counter() - resuming
     if rank != 0:
         return {}
     elapsed = time.perf_counter() - start
     nbytes = staged_bytes + moved_bytes
     return {
         "weight_sync/time_s": elapsed,
+        **{f"weight_sync/{phase}": seconds for phase, seconds in control.items()},
         "weight_sync/bytes": float(nbytes),
         "weight_sync/gb_per_s": nbytes / elapsed / 1e9,
         "weight_sync/version": float(version),
