@@ -103,11 +103,13 @@ def _trainer(model_dir: Path, root: Path, *extra: str):
 
     from vime.backends.megatron_utils.trainer import MegatronTrainer
 
-    # --no-bias-swiglu-fusion: the compiled SwiGLU's numbers depend on the process's history (module docstring)
+    # --no-bias-swiglu-fusion: the compiled SwiGLU's numbers depend on the process's history (module docstring);
+    # a decaying LR, so that the next step's LR depends on the restored scheduler step
     config = make_args(
         model_dir, "--bf16", "--use-distributed-optimizer", "--expert-model-parallel-size", str(GPUS),
-        "--moe-token-dispatcher-type", "alltoall", "--lr", "1e-4", "--no-bias-swiglu-fusion",
-        "--save", str(root / "ckpt"), *extra,
+        "--moe-token-dispatcher-type", "alltoall", "--lr", "1e-4", "--lr-decay-style", "linear",
+        "--lr-decay-iters", "8", "--min-lr", "1e-5", "--no-bias-swiglu-fusion", "--save", str(root / "ckpt"),
+        *extra,
     )  # fmt: skip
     return config, MegatronTrainer(config)
 
