@@ -15,8 +15,9 @@ kernels flips its sign (the first GPU run: 5.2e-4 saved vs -4.8e-4 resumed, at b
 differences were in the path: Megatron-Core's MoE ``unpermute`` sums each token's top-8 expert outputs with an
 atomic ``scatter_add_`` (order-dependent bf16 sums) unless torch's deterministic algorithms are on (then
 ``index_add_``), and its torch.compile'd weighted SwiGLU, called once per expert with that expert's token count,
-hits dynamo's recompile limit (8; both processes' logs) and then runs the shapes it has not compiled eagerly, with
-another rounding: which ones depends on what the process ran before. So the workers run with
+hits dynamo's recompile limit (8; the resumed run's log shows it on both ranks) and then runs shapes it has not
+compiled eagerly, rounding twice where the compiled kernel rounds once: which shapes depends on what the process ran
+before. So the workers run with
 ``torch.use_deterministic_algorithms(True)`` (FlashAttention's backward, ``index_add_``; cuBLAS with
 ``CUBLAS_WORKSPACE_CONFIG``) and ``--no-bias-swiglu-fusion``. The resume phase prints every number first (one
 ``RESUME {json}`` line) and then asserts in the order that tells the causes apart: the weights, Adam step counts,
