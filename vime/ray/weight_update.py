@@ -69,7 +69,7 @@ class WeightUpdate:
             metrics, expected = self._push(urls, version, rollout_weights)
         if expected is not None:
             checked = time.monotonic()
-            metrics["weight_sync/check_abs_diff"] = self._check(urls, expected, version)
+            metrics["weight_sync/check_abs_diff"] = self.check_engines(urls, expected, version)
             metrics["weight_sync/check_s"] = time.monotonic() - checked
         self.manager.set_weight_version(version, urls)
         return version, metrics | {"time/sync_s": time.monotonic() - started}
@@ -128,7 +128,7 @@ class WeightUpdate:
             self.critic.offload()
         return self.actor.offload()
 
-    def _check(self, urls: list[str], expected: list[float], version: int) -> float:
+    def check_engines(self, urls: list[str], expected: list[float], version: int) -> float:
         """The weights check (:mod:`vime.utils.weight_check`) of the engines at ``urls``, asked directly (not through
         the router): their parameters' checksums against those recorded when they loaded ``version`` and against each
         other's, then the check sequence's log-probs against the trainer's (``expected``). Returns the largest mean
