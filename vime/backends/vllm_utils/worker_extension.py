@@ -248,7 +248,7 @@ class VimeWorkerExtension:
         """This worker's parameters' names and checksums (``weight_buckets.tensor_checksums``: integer word sums
         computed where the parameters live, one transfer). On CPU vLLM moves most linear weights into its GEMM
         kernels' own packed form after loading (the parameter left empty): there the check covers the rest
-        (embeddings, norms, the LM head, experts) and the log-prob probe covers the whole model."""
+        (embeddings, norms, the LM head) and the log-prob probe covers the whole model."""
         named = list(self.model_runner.get_model().named_parameters())
         return [name for name, _ in named], tensor_checksums(param for _, param in named)
 
