@@ -117,7 +117,13 @@ def checksum_report(url: str) -> dict:
     """A fake one-worker engine's answer to ``check_weights_checksums``."""
     names, sums = ["embed.weight", "layers.0.qkv_proj.weight"], [11, 22]
     changed = ["layers.0.qkv_proj.weight", 22, 23] if url in CHANGED else None
-    return {"version": RECORDED.get(url), "names": names, "checksums": sums, "changed": changed}
+    return {
+        "version": RECORDED.get(url),
+        "names": names,
+        "checksums": sums,
+        "layout": "2 tensors",
+        "changed": changed,
+    }
 
 
 @pytest.fixture

@@ -58,6 +58,9 @@ def test_a_worker_reports_whether_its_parameters_are_what_the_sync_loaded():
     assert worker.record_weights_checksums(3) == {"parameters": 2}
     report = worker.check_weights_checksums()
     assert report["version"] == 3 and report["changed"] is None
+    worker.model.norm.data = torch.ones(8)  # the layout tells other shapes apart
+    assert worker.check_weights_checksums()["layout"] != report["layout"]
+    worker.model.norm.data = torch.ones(4)
     assert report["checksums"] == tensor_checksums([worker.model.norm, worker.model.qkv_proj.weight])
 
     with torch.no_grad():
@@ -84,7 +87,14 @@ def test_a_worker_answers_a_failure_instead_of_raising():
 def report(
     version=5, sums=(1, 2, 3), names=("embed", "layers.0.qkv", "layers.0.mlp.experts.w13"), changed=None
 ):
-    return {"version": version, "names": list(names), "checksums": list(sums), "changed": changed}
+    layout = "|".join(names)  # the worker's digest of names, shapes and dtypes
+    return {
+        "version": version,
+        "names": list(names),
+        "checksums": list(sums),
+        "layout": layout,
+        "changed": changed,
+    }
 
 
 def test_engines_that_hold_the_recorded_weights_alike_pass():
@@ -92,8 +102,9 @@ def test_engines_that_hold_the_recorded_weights_alike_pass():
     reference = compare_checksums(reports, 5)
     # the workers of a TP=2 engine hold different shards; each is compared with the same worker of the others
     assert sorted(reference.values()) == [("http://a", [1, 2, 3]), ("http://a", [4, 5, 6])]
-    # an engine of another layout (other parameters) is compared with none of them
+    # an engine of another layout (other parameters, or shapes: TP=1 beside TP=2) is compared with none of them
     assert compare_checksums({"http://c": [report(names=("other",), sums=(9,))]}, 5, reference)
+    assert compare_checksums({"http://d": [report(sums=(7, 8, 9))]}, 5, reference)  # one worker, not two
 
 
 @pytest.mark.parametrize(

@@ -67,10 +67,11 @@ def compare_checksums(
 ) -> dict[tuple, tuple[str, list[int]]]:
     """Check the engines' checksum reports (``{url: [one per worker: VimeWorkerExtension.check_weights_checksums's
     answer]}``) for weight version ``version``: ``RuntimeError`` naming every failing engine and its first differing
-    tensor. Engines whose workers hold the same parameters (names, in worker order) must agree bit for bit with each
-    other and with ``reference`` (what an earlier check of this version returned: e.g. the sync's engines, when a
-    replacement is pushed the same version alone). Returns the reference of this check: per (worker, names), the
-    first engine's URL and checksums."""
+    tensor. Engines of the same layout (as many workers, each holding parameters of the same names, shapes and dtypes)
+    given the same weights must agree bit for bit, worker by worker, with each other and with ``reference`` (what an
+    earlier check of this version returned: e.g. the sync's engines, when a replacement is pushed the same version
+    alone). Returns the reference of this check: per (workers, worker, layout), the first engine's URL and
+    checksums."""
     reference = dict(reference or {})
     problems = []
     for url, workers in reports.items():
@@ -91,10 +92,15 @@ def compare_checksums(
                     f"{where}: {name} changed since the sync loaded it (checksum {recorded} when loaded, {now} now)"
                 )
             else:
-                key = (worker, tuple(report["names"]))
+                key = (len(workers), worker, report["layout"])
                 peer, expected = reference.setdefault(key, (url, report["checksums"]))
                 differing = next(
-                    (n for n, a, b in zip(key[1], expected, report["checksums"], strict=True) if a != b), None
+                    (
+                        n
+                        for n, a, b in zip(report["names"], expected, report["checksums"], strict=True)
+                        if a != b
+                    ),
+                    None,
                 )
                 if differing is not None:
                     problems.append(f"{where}: {differing} differs from the same tensor of engine {peer}")

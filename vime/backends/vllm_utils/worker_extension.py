@@ -13,6 +13,7 @@ The weight group is a standalone process group (a ``TCPStore`` hosted by the tra
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -212,7 +213,7 @@ class VimeWorkerExtension:
         :meth:`check_weights_checksums`. Returns ``{"parameters": n}``, or ``{"error": why}`` (not raised: see
         :meth:`_vime_check_and_load`)."""
         try:
-            names, sums = self._vime_parameter_checksums()
+            names, sums, _ = self._vime_parameter_checksums()
         except Exception as exc:  # noqa: BLE001 - answered, not raised
             logger.exception("vime weights check: recording the checksums failed")
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -222,17 +223,17 @@ class VimeWorkerExtension:
     def check_weights_checksums(self) -> dict:
         """This worker's weights report for the weights check (``vime.utils.weight_check.compare_checksums``):
         ``version`` (of the last recorded sync; None when none since the engine started), ``names`` and
-        ``checksums`` of its parameters now, and ``changed``: the first parameter whose checksum differs from the
+        ``checksums`` of its parameters now, their ``layout`` (a digest of names, shapes and dtypes), and ``changed``: the first parameter whose checksum differs from the
         recorded one (``[name, recorded, now]``; a parameter added or gone counts, recorded or now then None), or
         None. Or ``{"error": why}``."""
         try:
-            names, sums = self._vime_parameter_checksums()
+            names, sums, layout = self._vime_parameter_checksums()
         except Exception as exc:  # noqa: BLE001 - answered, not raised
             logger.exception("vime weights check: reading the checksums failed")
             return {"error": f"{type(exc).__name__}: {exc}"}
         recorded = self.__dict__.get("_vime_recorded")
         if recorded is None:
-            return {"version": None, "names": names, "checksums": sums, "changed": None}
+            return {"version": None, "names": names, "checksums": sums, "layout": layout, "changed": None}
         before, now = recorded["checksums"], dict(zip(names, sums, strict=True))
         changed = next(
             (
@@ -242,15 +243,19 @@ class VimeWorkerExtension:
             ),
             None,
         )
-        return {"version": recorded["version"], "names": names, "checksums": sums, "changed": changed}
+        return {
+            "version": recorded["version"], "names": names, "checksums": sums, "layout": layout, "changed": changed,
+        }  # fmt: skip
 
-    def _vime_parameter_checksums(self) -> tuple[list[str], list[int]]:
-        """This worker's parameters' names and checksums (``weight_buckets.tensor_checksums``: integer word sums
+    def _vime_parameter_checksums(self) -> tuple[list[str], list[int], str]:
+        """This worker's parameters' names, checksums and layout digest (names, shapes, dtypes) (``weight_buckets.tensor_checksums``: integer word sums
         computed where the parameters live, one transfer). On CPU vLLM moves most linear weights into its GEMM
         kernels' own packed form after loading (the parameter left empty): there the check covers the rest
         (embeddings, norms, the LM head) and the log-prob probe covers the whole model."""
         named = list(self.model_runner.get_model().named_parameters())
-        return [name for name, _ in named], tensor_checksums(param for _, param in named)
+        shapes = [(name, list(param.shape), str(param.dtype)) for name, param in named]
+        layout = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+        return [name for name, _ in named], tensor_checksums(param for _, param in named), layout
 
     def read_sync_token(self, path: str) -> str | None:
         """The ``disk`` transport's token file as this worker's node sees it (None if it cannot read it)."""
