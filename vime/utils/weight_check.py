@@ -108,5 +108,7 @@ def compare_checksums(
         raise RuntimeError(
             f"--check-weight-update-equal: after weight sync {version} engines do not hold the trainer's weights: "
             + "; ".join(problems)
+            + ". The run stops rather than generate with other weights (--no-check-weight-update-equal turns the "
+            "check off)"
         )
     return reference
