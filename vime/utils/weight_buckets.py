@@ -137,9 +137,21 @@ def _checksums(buffer: torch.Tensor, layout: list[dict]) -> list[int]:
 
 def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Each tensor's checksum of its bytes as it lies in memory (:func:`_word_sum`; a non-contiguous one is copied
-    first), with one transfer of all the sums: what an engine holds, to compare with what it held (or a peer holds)."""
-    sums = [_word_sum(t.detach().contiguous().reshape(-1).view(torch.uint8)) for t in tensors]
-    return torch.stack(sums).tolist() if sums else []
+    first; a tensor without storage, on the meta device, counts 0), with one transfer of the sums per device (some
+    parameters may live in host memory, e.g. vLLM's ``--cpu-offload-gb``): what an engine holds, to compare with what
+    it held (or a peer holds)."""
+    sums = [
+        torch.zeros((), dtype=torch.int64)
+        if t.is_meta
+        else _word_sum(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        for t in tensors
+    ]
+    values = [0] * len(sums)
+    for device in {s.device for s in sums}:
+        where = [i for i, s in enumerate(sums) if s.device == device]
+        for i, value in zip(where, torch.stack([sums[i] for i in where]).tolist(), strict=True):
+            values[i] = value
+    return values
 
 
 def add_checksums(buffer: torch.Tensor, layout: list[dict]) -> None:
