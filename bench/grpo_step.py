@@ -31,7 +31,10 @@ REPORTED = [
     "time/rollout_s", "time/train_s", "time/sync_s", "time/onload_s", "time/offload_s", "offload/freed_gib",
     "weight_sync/gb_per_s", "rollout/tokens_per_s", "train/tokens_per_s", "train/step_time_s",
     "train/train_rollout_logprob_abs_diff",
+    # the weights check (--check-weight-update-equal, on by default): its share of the step is read off these
+    "weight_sync/checksum_s", "weight_sync/check_trainer_s", "weight_sync/check_s",
 ]  # fmt: skip
+CHECK_PARTS = ["weight_sync/checksum_s", "weight_sync/check_trainer_s", "weight_sync/check_s"]
 
 
 def gpu_memory_peak(stop: threading.Event, peak: list[int]) -> None:
@@ -106,6 +109,7 @@ def main() -> None:
     argv += opts.extra
     figures, steps, peak_gib, wall = run_steps(argv, work)
     step_s = figures["time/rollout_s"] + figures["time/train_s"] + figures["time/sync_s"]
+    check_s = sum(figures.get(part, 0.0) for part in CHECK_PARTS)  # 0 with --no-check-weight-update-equal
     tokens = samples * opts.response_len
     params = matmul_params(model_dir)
     prompt_tokens = statistics.mean(
@@ -134,9 +138,12 @@ def main() -> None:
             "train_mfu": mfu,
             "gpu_memory_peak_gib": peak_gib,
             "wall_s": wall,
+            "weights_check_s": check_s,
+            "weights_check_share_of_step": check_s / step_s,
             "median_of_steps": figures,
             "summary": f"{name}: step {step_s:.1f} s = rollout {figures['time/rollout_s']:.1f} + train "
-            f"{figures['time/train_s']:.1f} + sync {figures['time/sync_s']:.2f}; {tokens / figures['time/rollout_s']:,.0f} "
+            f"{figures['time/train_s']:.1f} + sync {figures['time/sync_s']:.2f} (weights check {check_s:.3f}, "
+            f"{check_s / step_s:.2%} of the step); {tokens / figures['time/rollout_s']:,.0f} "
             f"generated tok/s, train MFU {mfu:.0%}, GPU peak {peak_gib:.0f} GiB",
         },
     )

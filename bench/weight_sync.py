@@ -7,7 +7,10 @@ Cases (transport x expert layout; ``disk`` always writes per-expert HF files) al
 first repeat is a warm-up. Before every sync the trainer's weights are perturbed (noise), and after it the engine's
 log-probs of a fixed sequence must match the trainer's within ``--logprob-tol`` while the engine's log-probs from
 before the sync must not (so a sync that loads nothing fails). The JSON (median, min, max per case) is rewritten
-after every repeat.
+after every repeat. The weights check that ``train.py`` runs after every sync (``--check-weight-update-equal``, on by
+default; ``--no-check-weight-update-equal`` here leaves it out) is timed apart: ``checksum_s`` (the engine records
+its checksums, inside pause -> resume), ``check_trainer_s`` (the trainer scores the check sequence) and ``check_s``
+(the engine's checksums and probe checked, after resume).
 
     python bench/weight_sync.py --shape 4b --transports tensor disk          # one GPU: the engine beside the trainer
     python bench/weight_sync.py --shape 4b --transports distributed          # two GPUs: the engine on the second
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 
@@ -30,9 +34,18 @@ import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from bench.shapes import build_shape, env_entries, trainer_flags, write_result  # noqa: E402
+from vime.utils import weight_check  # noqa: E402
 
 EXTENSION = ["--worker-extension-cls", "vime.backends.vllm_utils.worker_extension.VimeWorkerExtension"]
 SEQUENCE = [5, 17, 9, 30, 12, 7, 22, 14, 3, 40, 11, 26, 8, 19, 33, 4]
+
+
+def trainer_sequence_log_probs(trainer, tokens: list[int]) -> list[float]:
+    """The trainer's side of the weights check's probe (``train_group.sequence_log_probs``)."""
+    from vime.utils.types import Sample, Status
+
+    sample = Sample(index=0, tokens=tokens, response_length=len(tokens) - 1, status=Status.COMPLETED)
+    return trainer.compute_log_probs([sample])[0].tolist()
 
 
 def copy_bandwidth_gb_s(nbytes: int = 4 * 2**30) -> float:
@@ -127,12 +140,16 @@ def main() -> None:
         "pays for a pool 12 x larger than its 48-layer model would have; 0 sizes it by the GPU share",
     )
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--no-check-weight-update-equal", dest="check", action="store_false", help="no weights check"
+    )
     opts = p.parse_args()
     env = env_entries(p, "--env", opts.env)
     os.environ.update(env)
 
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.vllm_utils.weight_sync import make_transport, sync_weights
+    from vime.ray.weight_update import WeightUpdate
     from vime.utils.arguments import parse_args
     from vime.utils.distributed import init_distributed
     from vime.utils.types import Sample, Status
@@ -149,7 +166,9 @@ def main() -> None:
         "--vllm-enforce-eager", "--vllm-max-model-len", "256",
         "--vllm-gpu-memory-utilization", "0.8" if split else "0.3",
     ] + (["--vllm-kv-cache-memory-bytes", str(int(opts.kv_cache_gib * 2**30))] if opts.kv_cache_gib else [])  # fmt: skip
+    argv += [] if opts.check else ["--no-check-weight-update-equal"]
     args = parse_args(argv + (["--colocate"] if "tensor" in opts.transports else []))
+    weights_check = WeightUpdate(SimpleNamespace(args=args, log_dir=work), None, None)
     if opts.backend == "megatron":
         from vime.backends.megatron_utils.trainer import MegatronTrainer as Trainer
     else:
@@ -172,6 +191,7 @@ def main() -> None:
     built: list[torch.Tensor] = []
     name = f"weight_sync_{opts.backend}_{opts.shape}_{'2gpu' if split else '1gpu'}"
     version = 0
+    check_tokens = weight_check.check_tokens(str(model_dir)) if args.check_weight_update_equal else None
     try:
         engine.start().wait_ready_sync()
         for repeat in range(opts.repeats + 1):
@@ -180,22 +200,40 @@ def main() -> None:
                 transport = make_transport(args, [engine.url], str(work / "weights"), 0)
                 perturb(model, generator, built)
                 want = trainer.compute_log_probs([sample])[0]
+                started = time.perf_counter()
+                expected = trainer_sequence_log_probs(trainer, check_tokens) if check_tokens else None
+                check_trainer_s = time.perf_counter() - started
                 before = engine_log_probs(engine.url, str(model_dir))
                 buckets = trainer.iter_weight_buckets(
                     args.update_weight_buffer_size,
                     stack_experts=layout == "stacked" and transport.stacks_experts,
                 )
                 version += 1
-                metrics = sync_weights([engine.url], buckets, transport, version)
+                metrics = sync_weights(
+                    [engine.url], buckets, transport, version, record_checksums=args.check_weight_update_equal
+                )
+                started = time.perf_counter()
+                if expected is not None:  # what train.py checks after the sync (it raises on a mismatch)
+                    weights_check.check_engines([engine.url], expected, version)
+                check_s = time.perf_counter() - started
                 diff = float((engine_log_probs(engine.url, str(model_dir)) - want).abs().mean())
                 stale = float((before - want).abs().mean())
                 phases = dict(transport.phases)
+                checksum_s = metrics.get("weight_sync/checksum_s", 0.0)
                 phases.update(
                     {phase: metrics[f"weight_sync/{phase}"] for phase in ("pause_s", "reset_s", "resume_s")},
                     control_s=metrics["weight_sync/time_s"]
                     - phases.get("move_s", 0.0)
-                    - phases.get("write_s", 0.0),
+                    - phases.get("write_s", 0.0)
+                    - checksum_s,
                 )
+                # the weights check: checksum_s inside time_s, the other two after it
+                if expected is not None:
+                    phases |= {
+                        "checksum_s": checksum_s,
+                        "check_trainer_s": check_trainer_s,
+                        "check_s": check_s,
+                    }
                 run = {
                     "gb_per_s": metrics["weight_sync/gb_per_s"],
                     "time_s": metrics["weight_sync/time_s"],

@@ -69,6 +69,8 @@ def test_engines_track_the_trainer_after_every_weight_sync(transport, tiny_model
     # --check-weight-update-equal: after every sync each engine scored a fixed sequence as the trainer did, within
     # the fp32 bound the run reads from the attached engines' reported dtype (the run fails above it)
     assert all(r["weight_sync/check_abs_diff"] < 1e-5 for r in records)
+    # ...after their parameters' checksums matched those recorded when they loaded the version, and each other's
+    assert all(r["weight_sync/checksum_s"] > 0 and r["weight_sync/check_s"] > 0 for r in records)
     if transport == "distributed":
         assert all(r["train/rollout_entropy"] > 0 and "correct/num_samples" in r for r in records)
         # --flush-cache-interval 2: rollout r is generated with weight version r + 1, as each token's label says

@@ -4,7 +4,9 @@ A bf16 Megatron trainer of a Qwen3-30B-A3B-shaped MoE (2 of its layers: 128 expe
 FFN 768; make_tiny_model's small vocabulary) perturbs its weights and syncs them as ``train.py`` does, experts
 stacked, over CUDA IPC (``tensor``, the engine beside the trainer) and, with two GPUs, NCCL (``distributed``, the
 engine on the second GPU). After the sync the engine's log-probs of a fixed sequence match the trainer's (before it
-they did not), and the engine's log says every stacked tensor was written into its fused-MoE layers directly.
+they did not), and the engine's log says every stacked tensor was written into its fused-MoE layers directly. The
+weights check's checksums (recorded by the sync, on by default) pass; colocated, a level-2 sleep and a wake-up of the
+weights with no sync after it (what would leave the engine without the trainer's weights) fails them, named.
 
 Run with the full kit (tests/gpu/README.md): ``bash tests/gpu/run.sh tests/gpu/test_stacked_sync_gpu.py``.
 """
@@ -65,10 +67,12 @@ def trainer(model_dir):
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_stacked_sync_matches_the_trainers_log_probs(model_dir, trainer, transport, tmp_path):
     from bench.weight_sync import EXTENSION, SEQUENCE, engine_log_probs, perturb
+    from vime.backends.vllm_utils.control_client import EngineGroup
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.vllm_utils.weight_sync import sync_weights_from_trainer
     from vime.utils.stacked_experts import parse_stacked
     from vime.utils.types import Sample, Status
+    from vime.utils.weight_check import compare_checksums
 
     if transport == "distributed" and torch.cuda.device_count() < 2:
         pytest.skip("the distributed (NCCL) case puts the engine on a second GPU")
@@ -80,13 +84,27 @@ def test_stacked_sync_matches_the_trainers_log_probs(model_dir, trainer, transpo
     log = tmp_path / "engine.log"
     gpu = "1" if transport == "distributed" else "0"
     sample = Sample(index=0, tokens=SEQUENCE, response_length=len(SEQUENCE) - 1, status=Status.COMPLETED)
-    with VLLMEngine(args, log_path=log, extra_args=EXTENSION, env={"CUDA_VISIBLE_DEVICES": gpu}) as engine:
+    extra = list(EXTENSION)
+    if transport == "tensor":
+        extra.append("--enable-sleep-mode")  # as colocated runs start it
+    with VLLMEngine(args, log_path=log, extra_args=extra, env={"CUDA_VISIBLE_DEVICES": gpu}) as engine:
         engine.wait_ready_sync(900)
         perturb(trainer.module, torch.Generator(device="cuda").manual_seed(1), built=[])
         want = trainer.compute_log_probs([sample])[0]
         stale = float((engine_log_probs(engine.url, str(model_dir)) - want).abs().mean())
         metrics = sync_weights_from_trainer(trainer, 0, args, [engine.url], version=1, disk_dir=None)
         diff = float((engine_log_probs(engine.url, str(model_dir)) - want).abs().mean())
+        with EngineGroup([engine.url]) as group:
+
+            def checksums() -> dict:
+                return {engine.url: group.run(lambda e: e.collective_rpc("check_weights_checksums"))[0]}
+
+            compare_checksums(checksums(), 1)  # stacked experts in vLLM's layout, as the sync recorded them
+            if transport == "tensor":  # weights dropped and woken with no sync after: the check must stop it
+                group.run(lambda e: e.sleep(level=2))
+                group.run(lambda e: e.wake_up(["weights"]))
+                with pytest.raises(RuntimeError, match="worker 0: .* changed since the sync loaded it"):
+                    compare_checksums(checksums(), 1)
     print(
         f"\n[{transport}] stacked sync {metrics['weight_sync/gb_per_s']:.1f} GB/s; log-prob diff {diff:.2e} (before: {stale:.2e})"
     )

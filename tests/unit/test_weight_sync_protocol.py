@@ -3,6 +3,7 @@ with a fake engine group, the disk transport's writer, and the flat buckets the 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -21,6 +22,7 @@ from vime.backends.vllm_utils.weight_transports import (
     write_hf_safetensors,
 )
 from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE
+from vime.utils.async_utils import run as async_run
 from vime.utils.weight_buckets import (
     add_checksums,
     bucket_layout,
@@ -41,7 +43,7 @@ class RecordingEngines:
         self.urls = urls
 
     def run(self, call):
-        call(self)
+        return [call(self)] * len(self.urls)  # one recorded call stands for all engines
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: RecordingEngines.calls.append(name)
@@ -121,6 +123,41 @@ def test_the_paused_hook_runs_between_pause_and_move_and_the_engines_resume_when
     assert engines.calls == ["stage", "pause", "resume", "close"]
 
 
+def test_with_the_weights_check_the_engines_record_their_checksums_once_loaded(engines, monkeypatch):
+    metrics = weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(), 3, record_checksums=True)
+    assert engines.calls == [
+        "stage",
+        "pause",
+        "move",
+        "collective_rpc",
+        "reset_prefix_cache",
+        "resume",
+        "close",
+    ]
+    assert metrics["weight_sync/checksum_s"] >= 0
+
+    async def fails(
+        method, args
+    ):  # a worker could not read its parameters: it answers, vLLM would end it on a raise
+        return [{"parameters": 3}, {"error": "RuntimeError: CUDA error"}]
+
+    monkeypatch.setattr(RecordingEngines, "collective_rpc", lambda self, *a: fails(*a), raising=False)
+    monkeypatch.setattr(
+        RecordingEngines, "run", lambda self, call: [run_coroutine(call(self)) for _ in self.urls]
+    )
+    engines.calls = []
+    with pytest.raises(
+        RuntimeError, match="weight sync 4: engine http://e0 worker 1 could not record .* CUDA error"
+    ):
+        weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(), 4, record_checksums=True)
+    assert engines.calls[-2:] == ["resume", "close"]
+
+
+def run_coroutine(result):
+    """A recorded call's result, awaited if it is a coroutine."""
+    return async_run(result) if asyncio.iscoroutine(result) else result
+
+
 def paused_hook(args, version, engine_urls):
     """A --custom-update-weight-paused-path hook: records what it saw."""
     SEEN_BY_HOOK.append((args.marker, version, engine_urls))
@@ -137,7 +174,8 @@ def test_the_trainer_entry_runs_the_paused_hook_flag_on_rank_0_only(engines, mon
     monkeypatch.setattr(weight_sync, "make_transport", lambda *a: FakeTransport())
     SEEN_BY_HOOK.clear()
     args = SimpleNamespace(update_weight_buffer_size=1024, marker="mine", flush_cache_interval=None,
-                           custom_update_weight_paused_path=f"{__name__}.paused_hook")  # fmt: skip
+                           custom_update_weight_paused_path=f"{__name__}.paused_hook",
+                           check_weight_update_equal=False)  # fmt: skip
     weight_sync.sync_weights_from_trainer(Trainer(), rank, args, ["http://e0"], 5, None)
     assert SEEN_BY_HOOK == ([("mine", 5, ["http://e0"])] if rank == 0 else [])
 

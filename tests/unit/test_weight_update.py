@@ -1,7 +1,7 @@
 """A weight update as one call (vime.ray.weight_update), with a fake manager and training groups and fake engines
-that score the check sequence over HTTP: a sync runs its steps in order, a sync an engine died in is done again
-once, stranded replacements get the rollout's weights, and the weights check runs on every path that admits an
-engine (a mismatch admits none)."""
+that score the check sequence and report their weights' checksums over HTTP: a sync runs its steps in order, a sync
+an engine died in is done again once, stranded replacements get the rollout's weights, and the weights check (the
+checksums, then the log-prob probe) runs on every path that admits an engine (a mismatch admits none)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ from aiohttp import web
 from fake_http import serve_posts
 
 from vime.ray.weight_update import WeightUpdate
+from vime.utils import weight_check
 from vime.utils.async_utils import run
 from vime.utils.run_context import RunContext
 
 TRAINER = "trainer"
 ROLLOUT = "kept copy"
+# What the fake engines' workers recorded (url -> the version a push brought them) and which changed since
+RECORDED: dict[str, int] = {}
+CHANGED: set[str] = set()
 
 
 class FakeManager:
@@ -87,10 +91,12 @@ class FakeGroup:
             raise ray.exceptions.RayTaskError(
                 "sync_weights", "EngineControlError: engine died", RuntimeError()
             )
+        RECORDED.update(dict.fromkeys(urls, version))
         return {"weight_sync/time_s": 0.5, "weight_sync/engines": float(len(urls))}
 
     def push_rollout_weights(self, urls, version, disk_dir, tokens):
         self.calls.append(("push_rollout_weights", urls, version, disk_dir))
+        RECORDED.update(dict.fromkeys(urls, version))
         return {"weight_sync/time_s": 0.5}, scores(ROLLOUT, tokens)
 
     def sequence_log_probs(self, tokens):
@@ -107,10 +113,27 @@ def scores(weights: str, tokens: list[int]) -> list[float]:
     return [-0.1 * (len(weights) % 7 + 1) * (i + 1) for i in range(len(tokens) - 1)]
 
 
+def checksum_report(url: str) -> dict:
+    """A fake one-worker engine's answer to ``check_weights_checksums``."""
+    names, sums = ["embed.weight", "layers.0.qkv_proj.weight"], [11, 22]
+    changed = ["layers.0.qkv_proj.weight", 22, 23] if url in CHANGED else None
+    return {
+        "version": RECORDED.get(url),
+        "names": names,
+        "checksums": sums,
+        "layout": "2 tensors",
+        "changed": changed,
+    }
+
+
 @pytest.fixture
 def engines(tmp_path):
-    """Start fake engines: ``engines(weights, ...)`` gives one URL per engine, each scoring as ``weights``."""
+    """Start fake engines: ``engines(weights, ...)`` gives one URL per engine, each scoring as ``weights``, and
+    reporting the checksums of two tensors (all alike), as recorded by the last push to it (:data:`RECORDED`)
+    and changed since if in :data:`CHANGED`."""
     runners = []
+    RECORDED.clear()
+    CHANGED.clear()
 
     def start(*held: str) -> list[str]:
         urls = []
@@ -124,7 +147,15 @@ def engines(tmp_path):
                 ]
                 return web.json_response({"choices": [{"prompt_logprobs": logprobs}]})
 
-            runner, url = run(serve_posts({"/v1/completions": completions}))
+            me: list[str] = []  # its URL, once it serves
+
+            async def collective_rpc(request: web.Request, me=me) -> web.Response:
+                assert (await request.json())["method"] == "check_weights_checksums"
+                return web.json_response({"results": [checksum_report(me[0])]})
+
+            routes = {"/v1/completions": completions, "/collective_rpc": collective_rpc}
+            runner, url = run(serve_posts(routes))
+            me.append(url)
             runners.append(runner)
             urls.append(url)
         return urls
@@ -176,6 +207,7 @@ def test_a_sync_runs_its_steps_in_order_and_checks_every_engine(args, tmp_path, 
         ("set_weight_version", 7, urls),
     ]
     assert metrics.pop("time/sync_s") >= 0
+    assert metrics.pop("weight_sync/check_s") > 0 and metrics.pop("weight_sync/check_trainer_s") >= 0
     assert metrics == {
         "weight_sync/time_s": 0.5, "weight_sync/engines": 2.0, "fault/sync_retries": 0.0, "offload/freed_gb": 1.0,
         "weight_sync/check_abs_diff": 0.0,
@@ -241,6 +273,55 @@ def test_an_engine_off_the_pushed_weights_stops_the_update_and_is_not_admitted(a
     assert not [call for call in calls if call[0] == "set_weight_version"]
 
 
+@pytest.mark.parametrize("path", ["sync", "stranded", "stranded, kept copy"])
+@pytest.mark.parametrize("fault", ["never pushed", "changed after the push"])
+def test_an_engine_whose_checksums_fail_stops_the_update_naming_engine_and_tensor(
+    args, tmp_path, engines, path, fault
+):
+    """The engines score the check sequence alike; one engine's checksums tell it does not hold the pushed weights
+    (it never recorded this version, or a tensor changed since it loaded them): the update stops naming it (and the
+    tensor), before the probe, and admits no engine."""
+    calls: list = []
+    kept = path == "stranded, kept copy"
+    good, bad = engines(*[ROLLOUT if kept else TRAINER] * 2)
+    stranded = [good, bad] if path != "sync" else None
+    manager = FakeManager(args, tmp_path, calls, [good, bad], stranded, version=2 if kept else 1)
+    group = FakeGroup("actor", calls)
+    if fault == "never pushed":
+        push = group.sync_weights if not kept else group.push_rollout_weights
+        setattr(group, push.__name__, lambda urls, *rest: push([good], *rest))  # the push misses the second
+        message = rf"engine {re.escape(bad)} worker 0 holds weights recorded by another sync \(none since it started"
+    else:
+        CHANGED.add(bad)
+        message = (
+            rf"engine {re.escape(bad)} worker 0: layers\.0\.qkv_proj\.weight changed since the sync loaded it"
+        )
+    update = WeightUpdate(manager, group, None)
+    with pytest.raises(RuntimeError, match=rf"after weight sync 2 engines do not hold .*{message}") as raised:
+        update.update(stranded is not None, rollout_weights=kept, new_version=not kept)
+    assert good not in str(raised.value)
+    assert not [call for call in calls if call[0] == "set_weight_version"]
+
+
+def test_a_replacement_pushed_alone_is_compared_with_the_engines_checked_at_its_version(
+    args, tmp_path, engines
+):
+    """A stranded replacement given the version the other engines were checked at must hold what they held."""
+    calls: list = []
+    first, replacement = engines(ROLLOUT, ROLLOUT)
+    manager = FakeManager(args, tmp_path, calls, [first], version=1)
+    update = WeightUpdate(manager, FakeGroup("actor", calls), None)
+    update.actor.sequence_log_probs = lambda tokens: scores(ROLLOUT, tokens)
+    assert update.update()[0] == 2
+    manager.stranded, manager.run_context.weight_version = [replacement], 2
+    reports = {replacement: [checksum_report(replacement) | {"version": 2, "checksums": [11, 99]}]}
+    with pytest.raises(
+        RuntimeError, match=r"layers\.0\.qkv_proj\.weight differs from the same tensor of engine"
+    ):
+        weight_check.compare_checksums(reports, 2, update.checked[1])
+    assert update.update(True, rollout_weights=True, new_version=False)[0] == 2  # the same checksums pass
+
+
 def test_no_check_without_the_flag(args, tmp_path, engines):
     args.check_weight_update_equal = False
     calls: list = []
@@ -249,6 +330,7 @@ def test_no_check_without_the_flag(args, tmp_path, engines):
         FakeManager(args, tmp_path, calls, urls), FakeGroup("actor", calls), None
     ).update()
     assert "weight_sync/check_abs_diff" not in metrics and ("sequence_log_probs",) not in calls
+    assert "weight_sync/check_s" not in metrics
 
 
 def test_a_sync_with_no_engine_up_pushes_nothing_and_admits_none(args, tmp_path):

@@ -32,6 +32,8 @@ class WeightUpdate:
         self.manager, self.actor, self.critic = manager, actor, critic
         self.args = manager.args
         self.sync_dir = self.args.update_weight_dir or str(manager.log_dir / "weight_sync")
+        # the engines' checksums at the last checked version (weight_check.compare_checksums's reference)
+        self.checked: tuple[int, dict] = (-1, {})
 
     def update(
         self, stranded: bool = False, rollout_weights: bool = False, new_version: bool = True
@@ -44,7 +46,9 @@ class WeightUpdate:
         (``--offload-rollout``), the rollout functions' ``before_weight_update``, push (with
         ``--use-fault-tolerance`` dead engines are replaced first, and a sync an engine died in is done again over
         the engines as they are then, once: ``fault/sync_retries``), score the check sequence on the trainer, offload
-        the trainers (``--offload-train``), wake the KV cache, check the engines (``weight_sync/check_abs_diff``),
+        the trainers (``--offload-train``), wake the KV cache, check the engines (their checksums and log-probs:
+        ``weight_sync/check_abs_diff``; its cost: ``weight_sync/checksum_s`` in the push, ``check_trainer_s`` and
+        ``check_s``),
         record the version and admit the replacements it reached, ``after_weight_update``.
 
         ``stranded``: only the replacement engines waiting for weights when no engine is left to serve a rollout
@@ -64,7 +68,9 @@ class WeightUpdate:
         else:
             metrics, expected = self._push(urls, version, rollout_weights)
         if expected is not None:
-            metrics["weight_sync/check_abs_diff"] = self._check(urls, expected, version)
+            checked = time.monotonic()
+            metrics["weight_sync/check_abs_diff"] = self.check_engines(urls, expected, version)
+            metrics["weight_sync/check_s"] = time.monotonic() - checked
         self.manager.set_weight_version(version, urls)
         return version, metrics | {"time/sync_s": time.monotonic() - started}
 
@@ -82,7 +88,11 @@ class WeightUpdate:
             if rollout_weights:
                 return self.actor.push_rollout_weights(urls, version, self.sync_dir, tokens)
             metrics = self.actor.sync_weights(urls, version, self.sync_dir)
-        return metrics, None if tokens is None else self.actor.sequence_log_probs(tokens)
+        if tokens is None:
+            return metrics, None
+        started = time.monotonic()
+        expected = self.actor.sequence_log_probs(tokens)
+        return metrics | {"weight_sync/check_trainer_s": time.monotonic() - started}, expected
 
     def _push_to_all(self, version: int) -> tuple[dict[str, float], list[float] | None, list[str]]:
         """:meth:`_push` to every live engine, with ``--use-fault-tolerance``'s replacement and one retry; also
@@ -118,14 +128,22 @@ class WeightUpdate:
             self.critic.offload()
         return self.actor.offload()
 
-    def _check(self, urls: list[str], expected: list[float], version: int) -> float:
-        """Each engine at ``urls`` scores the check sequence as the trainer did (``expected``): the largest mean
-        difference, or ``RuntimeError`` naming the engines off by more than
-        :func:`~vime.utils.weight_check.tolerance`. Asked of the engines directly (not through the router)."""
+    def check_engines(self, urls: list[str], expected: list[float], version: int) -> float:
+        """The weights check (:mod:`vime.utils.weight_check`) of the engines at ``urls``, asked directly (not through
+        the router): their parameters' checksums against those recorded when they loaded ``version`` and against each
+        other's, then the check sequence's log-probs against the trainer's (``expected``). Returns the largest mean
+        log-prob difference; ``RuntimeError`` naming the engines that fail."""
         tokens = weight_check.check_tokens(self.args.hf_checkpoint)
         with EngineGroup(urls) as engines:
+            reports = engines.run(lambda engine: engine.collective_rpc("check_weights_checksums"))
+            reference = self.checked[1] if self.checked[0] == version else None
+            reference = weight_check.compare_checksums(
+                dict(zip(urls, reports, strict=True)), version, reference
+            )
             scores = engines.run(lambda engine: engine.prompt_log_probs(self.args.hf_checkpoint, tokens))
         # engines vime started run --vllm-dtype; attached ones say what they run
         engine_dtype = served_dtype(urls[0]) if self.args.rollout_external_engine_addrs and urls else None
         tol = weight_check.tolerance(self.args, engine_dtype)
-        return weight_check.compare(expected, dict(zip(urls, scores, strict=True)), tol, version)
+        diff = weight_check.compare(expected, dict(zip(urls, scores, strict=True)), tol, version)
+        self.checked = (version, reference)
+        return diff

@@ -291,8 +291,9 @@ class RolloutManager:
             self.sleeping = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str]) -> None:
-        """Reallocate what :meth:`sleep` freed: ``weights`` (right before a weight sync fills them) and/or
-        ``kv_cache``."""
+        """Reallocate what :meth:`sleep` freed: ``weights`` (right before a weight sync fills them: a level-2 sleep
+        drops them, so only a weight update, ``vime.ray.weight_update``, wakes them, and its weights check comes after
+        its last wake-up) and/or ``kv_cache``."""
         tags = [tag for tag in tags if tag in self.sleeping]
         if tags:
             with self.control(), EngineGroup(self.engine_urls()) as engines:

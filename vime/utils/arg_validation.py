@@ -255,6 +255,8 @@ def _check_slime_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             "--check-weight-update-equal compares engines with the trainer: --debug-train-only has none"
         )
+    if args.check_weight_update_equal is None:  # on by default wherever there are engines to check
+        args.check_weight_update_equal = not args.debug_train_only
     if args.balance_by_flops:
         if not args.use_dynamic_batch_size:
             raise ValueError(

@@ -116,19 +116,42 @@ def unflatten_bucket(buffer: torch.Tensor, layout: list[dict]) -> Bucket:
     return bucket
 
 
+def _word_sum(data: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``data`` (a contiguous ``uint8`` view) summed as int32 words (int16 or uint8 where their number is
+    not a multiple of 4 or 2), in int64, on their device: one read, no temporary copy, exact."""
+    word = next(w for w in (torch.int32, torch.int16, torch.uint8) if data.numel() % w.itemsize == 0)
+    return data.view(word).sum(dtype=torch.int64)
+
+
 def _checksums(buffer: torch.Tensor, layout: list[dict]) -> list[int]:
-    """Each layout entry's checksum: the sum of its bytes in ``buffer`` read as int32 words (int16 or uint8 where its
-    size is not a multiple of 4 or 2), accumulated in int64. One read of the bytes, no temporary copy, one transfer
-    of all the sums; exact, so the receiver must find the same numbers."""
+    """Each layout entry's checksum (:func:`_word_sum` of its bytes in ``buffer``); one transfer of all the sums."""
     sums = []
     for entry in layout:
         dtype = getattr(torch, entry["dtype"])
         nbytes = dtype.itemsize
         for size in entry["shape"]:
             nbytes *= size
-        word = next(w for w in (torch.int32, torch.int16, torch.uint8) if nbytes % w.itemsize == 0)
-        sums.append(buffer[entry["offset"] : entry["offset"] + nbytes].view(word).sum(dtype=torch.int64))
+        sums.append(_word_sum(buffer[entry["offset"] : entry["offset"] + nbytes]))
     return torch.stack(sums).tolist() if sums else []
+
+
+def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Each tensor's checksum of its bytes as it lies in memory (:func:`_word_sum`; a non-contiguous one is copied
+    first; a tensor without storage, on the meta device, counts 0), with one transfer of the sums per device (some
+    parameters may live in host memory, e.g. vLLM's ``--cpu-offload-gb``): what an engine holds, to compare with what
+    it held (or a peer holds)."""
+    sums = [
+        torch.zeros((), dtype=torch.int64)
+        if t.is_meta
+        else _word_sum(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        for t in tensors
+    ]
+    values = [0] * len(sums)
+    for device in {s.device for s in sums}:
+        where = [i for i, s in enumerate(sums) if s.device == device]
+        for i, value in zip(where, torch.stack([sums[i] for i in where]).tolist(), strict=True):
+            values[i] = value
+    return values
 
 
 def add_checksums(buffer: torch.Tensor, layout: list[dict]) -> None:

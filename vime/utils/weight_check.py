@@ -1,5 +1,21 @@
-"""``--check-weight-update-equal``: after a weight sync, the engines must score a fixed sequence as the trainer does
-(DESIGN.md §5's correctness check, run by the loop instead of only by tests)."""
+"""``--check-weight-update-equal`` (on by default): after every weight sync each engine proves it holds the trainer's
+weights (DESIGN.md §5), in two ways, each naming the engine:
+
+- **Checksums** (:func:`compare_checksums`): each tensor arrives checked against the trainer's checksum of its bytes
+  (``weight_buckets.add_checksums``); once loaded, each engine worker records the checksum of every parameter in
+  vLLM's own layout (its tensor-parallel shard, fused qkv/gate_up, stacked experts: whatever vLLM's loaders made of
+  the trainer's bytes) as that weight version, inside the sync (``weight_sync.record_weights_checksums``). The check
+  reads the parameters again afterwards (after the wake-up that follows a sync, or any time) and fails an engine
+  whose worker recorded another version (a replacement that never got these weights, a sync that skipped it), whose
+  parameter changed since it was loaded (a wake-up that brought other bytes back, memory written behind vLLM's
+  back), or whose parameters differ from those of another engine of the same layout given the same weights (one
+  engine's load went wrong), naming the first differing tensor. vLLM-layout checksums are taken where vLLM made the
+  layout, not predicted on the trainer: that would re-implement every model's loaders (sharding, replicated KV
+  heads, padded vocabularies, expert maps, CPU kernels' repacking) and raise false alarms wherever it drifted.
+- **A fixed-sequence log-prob probe** (:func:`compare`): each engine scores a fixed sequence as the trainer does
+  with the weights it pushed. It covers what checksums cannot: a loader writing the right bytes to the wrong place
+  in every engine alike, and on CPU the linear weights vLLM keeps inside its GEMM kernels rather than parameters.
+"""
 
 from __future__ import annotations
 
@@ -44,3 +60,55 @@ def compare(trainer: list[float], engines: dict[str, list[float]], tol: float, v
             f"differ from the trainer's by more than {tol:g} on average ({listed}); the sync left weights behind"
         )
     return max(diffs.values(), default=0.0)
+
+
+def compare_checksums(
+    reports: dict[str, list[dict]], version: int, reference: dict | None = None
+) -> dict[tuple, tuple[str, list[int]]]:
+    """Check the engines' checksum reports (``{url: [one per worker: VimeWorkerExtension.check_weights_checksums's
+    answer]}``) for weight version ``version``: ``RuntimeError`` naming every failing engine and its first differing
+    tensor. Engines of the same layout (as many workers, each holding parameters of the same names, shapes and dtypes)
+    given the same weights must agree bit for bit, worker by worker, with each other and with ``reference`` (what an
+    earlier check of this version returned: e.g. the sync's engines, when a replacement is pushed the same version
+    alone). Returns the reference of this check: per (workers, worker, layout), the first engine's URL and
+    checksums."""
+    reference = dict(reference or {})
+    problems = []
+    for url, workers in reports.items():
+        for worker, report in enumerate(workers):
+            where = f"engine {url} worker {worker}"
+            if "error" in report:
+                problems.append(f"{where} could not read its weights: {report['error']}")
+            elif report["version"] != version:
+                held = (
+                    "none since it started" if report["version"] is None else f"version {report['version']}"
+                )
+                problems.append(
+                    f"{where} holds weights recorded by another sync ({held}), not version {version}"
+                )
+            elif report["changed"] is not None:
+                name, recorded, now = report["changed"]
+                problems.append(
+                    f"{where}: {name} changed since the sync loaded it (checksum {recorded} when loaded, {now} now)"
+                )
+            else:
+                key = (len(workers), worker, report["layout"])
+                peer, expected = reference.setdefault(key, (url, report["checksums"]))
+                differing = next(
+                    (
+                        n
+                        for n, a, b in zip(report["names"], expected, report["checksums"], strict=True)
+                        if a != b
+                    ),
+                    None,
+                )
+                if differing is not None:
+                    problems.append(f"{where}: {differing} differs from the same tensor of engine {peer}")
+    if problems:
+        raise RuntimeError(
+            f"--check-weight-update-equal: after weight sync {version} engines do not hold the trainer's weights: "
+            + "; ".join(problems)
+            + ". The run stops rather than generate with other weights (--no-check-weight-update-equal turns the "
+            "check off)"
+        )
+    return reference

@@ -2,8 +2,10 @@
 
 Per sync, on every training rank: let the transport stage what it can while engines still generate (``disk``
 writes its files) -> ``pause(mode="keep")`` every engine -> the ``on_paused`` hook, if any
-(``--custom-update-weight-paused-path``) -> move the weights (the transport) -> label them with the version
-(``--flush-cache-interval``) -> ``reset_prefix_cache`` -> ``resume`` (always, also when the hook or the move failed;
+(``--custom-update-weight-paused-path``) -> move the weights (the transport) -> each engine worker records the
+checksums of the parameters it now holds (``--check-weight-update-equal``; the weights check compares them later,
+:mod:`vime.utils.weight_check`) -> label them with the version (``--flush-cache-interval``) -> ``reset_prefix_cache``
+-> ``resume`` (always, also when the hook or the move failed;
 the error is then re-raised). Only rank 0 talks to the engines, directly, never through the router.
 
 A paused request keeps its KV cache and finishes on the new weights (the prefix cache is dropped only where no
@@ -47,15 +49,17 @@ def sync_weights(
     full_refresh: bool = False,
     label: bool = False,
     on_paused: Callable[[int, list[str]], None] | None = None,
+    record_checksums: bool = False,
 ) -> dict[str, float]:
     """Push ``buckets`` to every engine at ``engine_urls`` as weight version ``version`` (see the module docstring);
     ``full_refresh``: abort the requests in flight and drop the prefix cache; ``label``: tell the engines the version;
-    ``on_paused(version, engine_urls)`` runs on rank 0 once every engine is paused, before the weights move.
+    ``on_paused(version, engine_urls)`` runs on rank 0 once every engine is paused, before the weights move;
+    ``record_checksums``: each engine worker records its parameters' checksums once loaded (``checksum_s``: how long).
     Rank 0 returns ``weight_sync/time_s`` (pause to resume, staging included), of it ``weight_sync/pause_s``,
     ``weight_sync/reset_s`` (labelling and the prefix-cache reset) and ``weight_sync/resume_s``, ``weight_sync/bytes``,
     ``weight_sync/gb_per_s``, ``weight_sync/version``, ``weight_sync/engines`` (how many it reached: fewer than
     the run's while a replacement starts) and ``weight_sync/full_refresh`` (1 or 0); the other ranks return ``{}``."""
-    start = time.perf_counter()
+    start, checksum_s = time.perf_counter(), None
     control = {"pause_s": 0.0, "reset_s": 0.0, "resume_s": 0.0}
     with EngineGroup(engine_urls) if rank == 0 else nullcontext() as engines:
         buckets, staged_bytes = transport.stage(buckets, rank, version)
@@ -67,6 +71,8 @@ def sync_weights(
                 on_paused(version, list(engine_urls))
             moved_bytes = transport.move(buckets, engines, rank)
             if engines is not None:
+                if record_checksums:
+                    checksum_s = record_weights_checksums(engines, version)
                 moved = time.perf_counter()
                 if label:
                     engines.run(lambda engine: engine.set_weight_version(version))
@@ -87,7 +93,8 @@ def sync_weights(
         return {}
     elapsed = time.perf_counter() - start
     nbytes = staged_bytes + moved_bytes
-    return {
+    checksum = {} if checksum_s is None else {"weight_sync/checksum_s": checksum_s}
+    return checksum | {
         "weight_sync/time_s": elapsed,
         **{f"weight_sync/{phase}": seconds for phase, seconds in control.items()},
         "weight_sync/bytes": float(nbytes),
@@ -96,6 +103,22 @@ def sync_weights(
         "weight_sync/engines": float(len(engine_urls)),
         "weight_sync/full_refresh": float(full_refresh),
     }
+
+
+def record_weights_checksums(engines: EngineGroup, version: int) -> float:
+    """Every worker of every engine records the checksums of the parameters it holds as weight version ``version``
+    (``VimeWorkerExtension.record_weights_checksums``); how long it took. A worker that could not record them fails
+    the sync, naming the engine."""
+    started = time.perf_counter()
+    answers = engines.run(lambda engine: engine.collective_rpc("record_weights_checksums", [version]))
+    for url, workers in zip(engines.urls, answers, strict=True):
+        for worker, answer in enumerate(workers or []):
+            if "error" in answer:
+                raise RuntimeError(
+                    f"weight sync {version}: engine {url} worker {worker} could not record its weights' checksums: "
+                    f"{answer['error']}"
+                )
+    return time.perf_counter() - started
 
 
 # The transport of the current engine set, per transport name (the distributed one holds its weight group, so a new
@@ -154,5 +177,6 @@ def sync_weights_from_trainer(
         partial(load_function(hook_path, "--custom-update-weight-paused-path"), args) if hook_path else None
     )
     return sync_weights(
-        engine_urls, buckets, transport, version, rank, refresh, records_token_versions(args), on_paused
-    )
+        engine_urls, buckets, transport, version, rank, refresh, records_token_versions(args), on_paused,
+        record_checksums=bool(args.check_weight_update_equal),
+    )  # fmt: skip

@@ -13,6 +13,7 @@ The weight group is a standalone process group (a ``TCPStore`` hosted by the tra
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -28,7 +29,7 @@ from vime.backends.vllm_utils.cuda_ipc import open_cuda_buffer
 from vime.backends.vllm_utils.stacked_expert_loader import load_weights
 from vime.utils.distributed import tcp_store
 from vime.utils.stacked_experts import expand_stacked
-from vime.utils.weight_buckets import unflatten_bucket, verify_checksums
+from vime.utils.weight_buckets import tensor_checksums, unflatten_bucket, verify_checksums
 
 # under vLLM's logger, so that its lines land in the engine's log in vLLM's format
 logger = logging.getLogger("vllm.vime.weight_sync")
@@ -243,6 +244,57 @@ class VimeWorkerExtension:
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         if not torch.cuda.is_available():
             _prepack_cpu_experts(self.model_runner.get_model())
+
+    def record_weights_checksums(self, version: int) -> dict:
+        """At the end of the sync that loaded weight version ``version`` (engine paused): remember the checksum of each
+        of this worker's parameters in vLLM's layout (its tensor-parallel shard, fused qkv/gate_up, stacked experts,
+        as vLLM's loaders wrote them from bytes the transit checksums proved to be the trainer's), for
+        :meth:`check_weights_checksums`. Returns ``{"parameters": n}``, or ``{"error": why}`` (not raised: see
+        :meth:`_vime_check_and_load`)."""
+        try:
+            names, sums, _ = self._vime_parameter_checksums()
+        except Exception as exc:  # noqa: BLE001 - answered, not raised
+            logger.exception("vime weights check: recording the checksums failed")
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        self._vime_recorded = {"version": int(version), "checksums": dict(zip(names, sums, strict=True))}
+        return {"parameters": len(names)}
+
+    def check_weights_checksums(self) -> dict:
+        """This worker's weights report for the weights check (``vime.utils.weight_check.compare_checksums``):
+        ``version`` (of the last recorded sync; None when none since the engine started), ``names`` and
+        ``checksums`` of its parameters now, their ``layout`` (a digest of names, shapes and dtypes), and ``changed``: the first parameter whose checksum differs from the
+        recorded one (``[name, recorded, now]``; a parameter added or gone counts, recorded or now then None), or
+        None. Or ``{"error": why}``."""
+        try:
+            names, sums, layout = self._vime_parameter_checksums()
+        except Exception as exc:  # noqa: BLE001 - answered, not raised
+            logger.exception("vime weights check: reading the checksums failed")
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        recorded = self.__dict__.get("_vime_recorded")
+        if recorded is None:
+            return {"version": None, "names": names, "checksums": sums, "layout": layout, "changed": None}
+        before, now = recorded["checksums"], dict(zip(names, sums, strict=True))
+        changed = next(
+            (
+                [name, before.get(name), now.get(name)]
+                for name in [*before, *now]
+                if before.get(name) != now.get(name)
+            ),
+            None,
+        )
+        return {
+            "version": recorded["version"], "names": names, "checksums": sums, "layout": layout, "changed": changed,
+        }  # fmt: skip
+
+    def _vime_parameter_checksums(self) -> tuple[list[str], list[int], str]:
+        """This worker's parameters' names, checksums and layout digest (names, shapes, dtypes) (``weight_buckets.tensor_checksums``: integer word sums
+        computed where the parameters live, one transfer). On CPU vLLM moves most linear weights into its GEMM
+        kernels' own packed form after loading (the parameter left empty): there the check covers the rest
+        (embeddings, norms, the LM head) and the log-prob probe covers the whole model."""
+        named = list(self.model_runner.get_model().named_parameters())
+        shapes = [(name, list(param.shape), str(param.dtype)) for name, param in named]
+        layout = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+        return [name for name, _ in named], tensor_checksums(param for _, param in named), layout
 
     def read_sync_token(self, path: str) -> str | None:
         """The ``disk`` transport's token file as this worker's node sees it (None if it cannot read it)."""

@@ -4,6 +4,8 @@ Each group is a list of ``(flag, add_argument kwargs)``; ``vime.utils.arguments`
 
 from __future__ import annotations
 
+import argparse
+
 CHECKPOINT = [
     (
         "--ref-load",
@@ -75,9 +77,13 @@ SYNC = [
     (
         "--check-weight-update-equal",
         dict(
-            action="store_true",
-            help="After every weight sync compare each engine's log-probs of a fixed sequence with the trainer's; "
-            "a mismatch stops the run (slime checks the engines' weights).",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="On by default (with engines to check): after every weight sync each engine proves it holds the "
+            "trainer's weights: its parameters' checksums against those recorded when it loaded them and against "
+            "the other engines', and its log-probs of a fixed sequence against the trainer's; a mismatch stops the "
+            "run naming the engine and the tensor (vime.utils.weight_check). --no-check-weight-update-equal turns "
+            "it off.",
         ),
     ),
     (
