@@ -19,6 +19,7 @@ from vime.backends.vllm_utils.weight_transports import (
     BucketRejected,
     MovePhases,
     _PingPong,
+    _wait_sent,
     write_hf_safetensors,
 )
 from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE
@@ -98,6 +99,19 @@ def test_protocol_pauses_moves_resets_and_resumes_in_order(engines):
 def test_engines_resume_when_the_move_fails(engines):
     with pytest.raises(RuntimeError, match="refused"):
         weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(fail=True), version=1)
+    assert engines.calls == ["stage", "pause", "move", "resume", "close"]
+
+
+def test_a_failed_resume_after_a_failed_move_keeps_the_moves_error(engines, monkeypatch):
+    def resume(self):
+        RecordingEngines.calls.append("resume")
+        raise ConnectionError("engine gone")
+
+    monkeypatch.setattr(RecordingEngines, "resume", resume, raising=False)
+    with pytest.raises(RuntimeError, match="refused") as raised:
+        weight_sync.sync_weights(["http://e0"], _buckets(), FakeTransport(fail=True), version=1)
+    assert any("resuming the engines afterwards failed too" in note and "engine gone" in note
+               for note in raised.value.__notes__)  # fmt: skip
     assert engines.calls == ["stage", "pause", "move", "resume", "close"]
 
 
@@ -423,3 +437,27 @@ def test_move_phases_time_iteration_and_add_the_slowest_worker_per_bucket():
         BucketRejected, match=r"engine http://e1 \(worker 1\) rejected a bucket: w arrived changed"
     ):
         phases.wait("engine_wait_s", rejected, ["http://e0", "http://e1"])
+
+
+class FakeWork:
+    def __init__(self, done: bool = True, error: Exception | None = None):
+        self.done, self.error = done, error
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self):
+        if self.error:
+            raise self.error
+
+
+def test_a_broadcast_waiting_on_a_failed_engine_raises_the_engines_error():
+    answers = concurrent.futures.Future()
+    answers.set_exception(ConnectionError("engine http://e0 gone"))
+    with pytest.raises(ConnectionError, match="e0 gone"):  # not stuck until the group's timeout
+        _wait_sent([FakeWork(done=False)], answers)
+    with pytest.raises(ConnectionError, match="e0 gone") as raised:  # the broadcast failed first
+        _wait_sent([FakeWork(error=RuntimeError("connection reset"))], answers)
+    assert "connection reset" in str(raised.value.__cause__)
+    pending = concurrent.futures.Future()
+    _wait_sent([FakeWork(), FakeWork()], pending)  # sent: the answers are not awaited

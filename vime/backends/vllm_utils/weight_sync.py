@@ -5,8 +5,8 @@ writes its files) -> ``pause(mode="keep")`` every engine -> the ``on_paused`` ho
 (``--custom-update-weight-paused-path``) -> move the weights (the transport) -> each engine worker records the
 checksums of the parameters it now holds (``--check-weight-update-equal``; the weights check compares them later,
 :mod:`vime.utils.weight_check`) -> label them with the version (``--flush-cache-interval``) -> ``reset_prefix_cache``
--> ``resume`` (always, also when the hook or the move failed;
-the error is then re-raised). Only rank 0 talks to the engines, directly, never through the router.
+-> ``resume`` (always, also when the hook or the move failed; the error is then re-raised, with a note if resuming
+failed too). Only rank 0 talks to the engines, directly, never through the router.
 
 A paused request keeps its KV cache and finishes on the new weights (the prefix cache is dropped only where no
 request holds it). A full refresh (:func:`vime.utils.inflight.is_full_refresh`) pauses with ``mode="abort"``
@@ -84,11 +84,17 @@ def sync_weights(
                         f"weight sync {version} is a full refresh (--flush-cache-interval) but the engines at {kept} "
                         "kept their prefix cache after aborting their requests"
                     )
-        finally:
-            if engines is not None:
-                resuming = time.perf_counter()
-                engines.run(lambda engine: engine.resume())
-                control["resume_s"] = time.perf_counter() - resuming
+        except BaseException as error:
+            if engines is not None:  # resume anyway; if that fails too, the first error stays the one raised
+                try:
+                    engines.run(lambda engine: engine.resume())
+                except Exception as resume_error:
+                    error.add_note(f"resuming the engines afterwards failed too: {resume_error!r}")
+            raise
+        if engines is not None:
+            resuming = time.perf_counter()
+            engines.run(lambda engine: engine.resume())
+            control["resume_s"] = time.perf_counter() - resuming
     if rank != 0:
         return {}
     elapsed = time.perf_counter() - start

@@ -418,8 +418,17 @@ def _wait_sent(works: list[dist.Work], answers: concurrent.futures.Future) -> No
         if answers.done() and answers.exception() is not None:
             raise answers.exception()
         time.sleep(0.0002)
-    for work in works:
-        work.wait()
+    try:
+        for work in works:
+            work.wait()
+    except Exception as broadcast_error:  # a receiver went away: its engine's answer says which and why
+        try:
+            answers.result(timeout=10)
+        except concurrent.futures.TimeoutError:
+            pass
+        except Exception as engine_error:
+            raise engine_error from broadcast_error
+        raise
 
 
 def _wait(
