@@ -99,7 +99,8 @@ class FaultScript(threading.Thread):
         self.faults: list[dict] = []
         self._last_counts: dict[str, dict[str, float]] = {}
         self._pids: dict[str, int] = {}  # the engines' API servers (URL -> pid) when a strike began
-        self._frozen: dict[str, list[psutil.Process]] = {}  # their engine processes, stopped by the last poll
+        # their engine processes: stopped from a strike's start to its fault, but while a poll lets them run
+        self._frozen: dict[str, list[psutil.Process]] = {}
         self.error: BaseException | None = None
         # pids stopped on purpose: a ``hang`` strike's victim (its server and children), replacements held out
         self.stopped_on_purpose: set[int] = set()
@@ -117,7 +118,7 @@ class FaultScript(threading.Thread):
             0.0  # the longest a poll kept the engine processes stopped (the run sees them hang)
         )
         self.polls: list[dict] = []  # every poll of every strike, for the failure message (:meth:`poll_log`)
-        self._thawed_at: float | None = None  # when the last poll let the engines run again
+        self._thawed_at: float | None = None  # when the engines last began to run between two polls
         self._target: int | None = None  # the rollout the polls look for
 
     def run(self) -> None:
