@@ -12,6 +12,7 @@ import importlib.util
 import ipaddress
 import json
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -273,6 +274,35 @@ def new_marker(name: str) -> str:
 def run_env(marker: str, **extra: str) -> dict[str, str]:
     """The environment of a test run: offline, tagged with ``marker`` so its processes can be found."""
     return {**os.environ, **OFFLINE_ENV, RUN_MARKER_ENV: marker, **extra}
+
+
+def start_run(
+    argv: list[str], out_dir: Path, marker: str, cwd: Path | None = None, **env: str
+) -> subprocess.Popen:
+    """``argv`` (a whole ``train.py`` / ``train_async.py`` run) started in the background, tagged with ``marker``; its
+    output in ``out_dir``/stdout.txt and stderr.txt (files: two runs' pipes read one after the other could fill and
+    block one)."""
+    with open(out_dir / "stdout.txt", "w") as stdout, open(out_dir / "stderr.txt", "w") as stderr:
+        return subprocess.Popen(
+            argv, stdout=stdout, stderr=stderr, text=True, cwd=cwd or out_dir, env=run_env(marker, **env)
+        )
+
+
+def run_side_by_side(runs: dict[str, Callable[[], tuple[Path, subprocess.Popen]]], timeout: float) -> None:
+    """Start every run (``name -> start()``, returning its output dir and process) at once, and wait for all: each
+    spends much of its time waiting on itself (start-up, then generate, train and sync in turn), so two share the
+    2 cores well. Asserts each exited 0, with its stderr's tail; kills what is left on a failure or a timeout."""
+    started: dict[str, tuple[Path, subprocess.Popen]] = {}
+    try:
+        for name, start in runs.items():
+            started[name] = start()
+        deadline = time.monotonic() + timeout
+        for name, (out_dir, proc) in started.items():
+            returncode = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            assert returncode == 0, f"{name}: {(out_dir / 'stderr.txt').read_text()[-3000:]}"
+    finally:
+        for _, proc in started.values():
+            proc.kill()  # a no-op on those that ended
 
 
 def marked_processes(marker: str) -> list[str]:

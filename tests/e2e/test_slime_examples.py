@@ -16,7 +16,6 @@ import importlib
 import io
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 import slime_port
 import torch
 import yaml
-from conftest import new_marker, read_metrics, run_env, wait_until_no_marked_processes
+from conftest import new_marker, read_metrics, run_side_by_side, start_run, wait_until_no_marked_processes
 from slime_port import StandInService, fit_to_tiny, flag_value, importable, renamed_examples, script_arrays
 from test_examples import mask_runs
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,16 +71,27 @@ def evaluate(argv: list[str], log_dir: Path) -> RolloutFnEvalOutput:
         manager.shutdown()
 
 
-def train(script: str, argv: list[str], cwd: Path, marker: str, **env: str) -> list[dict]:
-    """A whole run of vime's ``script`` (``train.py`` / ``train_async.py``) with ``argv``, from ``cwd``; its metrics
-    records. Leaves no process behind."""
-    result = subprocess.run(
-        [sys.executable, str(REPO / script), "--train-backend", "fsdp", "--log-dir", str(cwd / "logs"), *argv],
-        capture_output=True, text=True, timeout=540, cwd=cwd, env=run_env(marker, **env),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+def start_train(
+    script: str, argv: list[str], out_dir: Path, marker: str, cwd: Path | None = None, **env: str
+):
+    """A start function for ``run_side_by_side``: a whole run of vime's ``script`` (``train.py`` /
+    ``train_async.py``) with ``argv``, from ``cwd`` (``out_dir`` by default), logging to ``out_dir``/logs."""
+    full = [
+        sys.executable, str(REPO / script), "--train-backend", "fsdp", "--log-dir", str(out_dir / "logs"), *argv,
+    ]  # fmt: skip
+    return lambda: (out_dir, start_run(full, out_dir, marker, cwd=cwd, **env))
+
+
+def finished(out_dir: Path, marker: str) -> list[dict]:
+    """The metrics records of a run that exited, once it left no process behind."""
     assert wait_until_no_marked_processes(marker, timeout=30) == []
-    return read_metrics(cwd / "logs")
+    return read_metrics(out_dir / "logs")
+
+
+def train(script: str, argv: list[str], cwd: Path, marker: str) -> list[dict]:
+    """A whole run of vime's ``script`` with ``argv``, from ``cwd``; its metrics records. Leaves no process behind."""
+    run_side_by_side({script: start_train(script, argv, cwd, marker)}, timeout=540)
+    return finished(cwd, marker)
 
 
 # ------------------------------------------------------------------------------------------------------------ search-r1
@@ -271,19 +281,49 @@ def test_on_policy_distillation_trains_against_the_teacher_server(
     assert record["train/opd_reverse_kl"] > 1.0 and record["train/grad_norm"] > 0
 
 
-# ----------------------------------------------------------------------------------------------------- fully-async
-def test_fully_async_keeps_generating_across_training_steps(
+# --------------------------------------------------------------------- fully-async and the train-infer mismatch helper
+def test_fully_async_and_mismatch_helper_examples_side_by_side(
     slime_root, tiny_model_dir, engine_pool, tmp_path
 ):
+    """Two independent whole runs at once, each on its own pooled engine: slime's fully-async example
+    (``train_async.py``) and its train-infer mismatch helper (``train.py`` from slime's root)."""
+    fully_async_dir, mis_dir = tmp_path / "fully_async", tmp_path / "mis"
+    fully_async_dir.mkdir()
+    mis_dir.mkdir()
+    fully_async_argv = fully_async_example_argv(slime_root, tiny_model_dir, engine_pool.addrs()[0])
+    mis_argv = mismatch_helper_argv(slime_root, tiny_model_dir, engine_pool.addrs()[1], mis_dir)
+    fully_async_marker, mis_marker = new_marker("slime-fully-async"), new_marker("slime-mis")
+    run_side_by_side(
+        {
+            "fully-async": start_train(
+                "train_async.py", fully_async_argv, fully_async_dir, fully_async_marker
+            ),
+            # run from slime's root, as its script: the YAML path is relative, the function a module of its examples
+            "mis": start_train(
+                "train.py", mis_argv, mis_dir, mis_marker, cwd=slime_root, PYTHONPATH=str(slime_root)
+            ),
+        },
+        timeout=540,
+    )
+    check_fully_async_keeps_generating_across_training_steps(finished(fully_async_dir, fully_async_marker))
+    check_mismatch_helper_weights_the_loss_with_its_yaml_settings(
+        slime_root, finished(mis_dir, mis_marker), mis_dir
+    )
+
+
+def fully_async_example_argv(slime_root: Path, tiny_model_dir: Path, addr: str) -> list[str]:
     script = slime_root / "examples" / "fully_async" / "run-qwen2.5-0.5B-fully_async.sh"
     argv = fit_to_tiny(
         script_arrays(script),
         tiny_model_dir / "train.jsonl",
-        "--hf-checkpoint", str(tiny_model_dir), "--rollout-external-engine-addrs", *engine_pool.addrs(1),
+        "--hf-checkpoint", str(tiny_model_dir), "--rollout-external-engine-addrs", addr,
     )  # fmt: skip
     path = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
     assert flag_value(argv, "--rollout-function-path") == [path]
-    records = train("train_async.py", argv, tmp_path, new_marker("slime-fully-async"))
+    return argv
+
+
+def check_fully_async_keeps_generating_across_training_steps(records: list[dict]) -> None:
     assert [r["rollout_id"] for r in records] == [0, 1]
     first, second = records
     # the worker went on past the batch it handed out: groups for the next rollouts were generating while step 0
@@ -295,23 +335,28 @@ def test_fully_async_keeps_generating_across_training_steps(
     assert second["fully_async/staleness_samples/1"] == 4 and second["fully_async/regenerated_groups"] == 0
 
 
-# ------------------------------------------------------------------------------------ train-infer mismatch helper
-def test_mismatch_helper_weights_the_loss_with_its_yaml_settings(
-    slime_root, tiny_model_dir, engine_pool, tmp_path
-):
-    script = slime_root / "examples" / "train_infer_mismatch_helper" / "run-qwen3-4b-mis.sh"
+MIS_SCRIPT = Path("examples") / "train_infer_mismatch_helper" / "run-qwen3-4b-mis.sh"
+
+
+def mismatch_helper_argv(slime_root: Path, tiny_model_dir: Path, addr: str, out_dir: Path) -> list[str]:
     argv = fit_to_tiny(
-        script_arrays(script, WANDB_KEY=""),
+        script_arrays(slime_root / MIS_SCRIPT, WANDB_KEY=""),
         tiny_model_dir / "train.jsonl",
-        "--hf-checkpoint", str(tiny_model_dir), "--rollout-external-engine-addrs", *engine_pool.addrs(1),
-        "--num-rollout", "1", "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.json"),
+        "--hf-checkpoint", str(tiny_model_dir), "--rollout-external-engine-addrs", addr,
+        "--num-rollout", "1", "--save-debug-rollout-data", str(out_dir / "rollout_{rollout_id}.json"),
     )  # fmt: skip
-    # run from slime's root, as its script: the YAML path is relative, the function a module of its examples package
+    # the YAML path is relative to slime's root, the function a module of its examples package
     assert flag_value(argv, "--custom-config-path") == ["examples/train_infer_mismatch_helper/mis.yaml"]
     function = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
     assert flag_value(argv, "--custom-tis-function-path") == [function]
-    (record,) = train("train.py", argv, slime_root, new_marker("slime-mis"), PYTHONPATH=str(slime_root))
-    settings = yaml.safe_load((script.parent / "mis.yaml").read_text())
+    return argv
+
+
+def check_mismatch_helper_weights_the_loss_with_its_yaml_settings(
+    slime_root: Path, records: list[dict], out_dir: Path
+) -> None:
+    (record,) = records
+    settings = yaml.safe_load((slime_root / MIS_SCRIPT).with_name("mis.yaml").read_text())
     assert settings["use_rs"] and settings["tis_mode"] == "truncate" and settings["tis_batch_normalize"]
     # mis.py's metrics, as the YAML switched them on: rejection sampling with its veto, truncation, batch norm
     switched_on = (
@@ -323,7 +368,7 @@ def test_mismatch_helper_weights_the_loss_with_its_yaml_settings(
     assert all(f"train/mis_{key}" in record for key in switched_on), sorted(record)
     # it got the engine's log-probs of every response token: its rollout perplexity is theirs (a mean per sample,
     # then over samples) ...
-    samples = [s for group in load_rollout_data(tmp_path / "rollout_0.json").samples for s in group]
+    samples = [s for group in load_rollout_data(out_dir / "rollout_0.json").samples for s in group]
     rollout_log_ppl = sum(-sum(s.rollout_log_probs) / s.response_length for s in samples) / len(samples)
     assert record["train/mis_rollout_log_ppl"] == pytest.approx(rollout_log_ppl, abs=1e-5)
     # ... and the trainer's, which match them (the engines hold the trainer's weights): weights 1, nothing rejected

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
+import os
 import pickle
 import subprocess
 import sys
@@ -172,6 +174,56 @@ def test_parsed_args_unpickle_without_importing_vllm(parser, tmp_path):
     assert imported == "[]"
 
 
+LAZY_CHECK = """
+import json, sys
+from vime.utils.arguments import build_parser
+args = build_parser().parse_args(sys.argv[1:])
+print(json.dumps({"vllm_imported": "vllm" in sys.modules, "args": {k: repr(v) for k, v in vars(args).items()}}))
+"""
+
+
+def _parse_in_fresh_process(argv: list[str], cache_home) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", LAZY_CHECK, *argv], capture_output=True, text=True, check=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(cache_home)},
+    )  # fmt: skip
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_a_command_line_without_vllm_flags_does_not_import_vllm(parser, tmp_path):
+    """A driver that passes no --vllm-* flag (a run on external engines) takes their defaults from a cache instead
+    of importing vLLM to build its parser (~3 CPU-s): the same arguments either way, and the first run fills it."""
+    eager = {
+        k: repr(v) for k, v in vars(parser.parse_args(BASE)).items()
+    }  # the module's parser: flags mirrored
+    assert parser._vllm_mirrored and "vllm_max_num_seqs" in eager
+    first = _parse_in_fresh_process(BASE, tmp_path)  # no cache yet: mirrors the flags and writes it
+    assert first["vllm_imported"] and first["args"] == eager
+    assert len(list((tmp_path / "vime").glob("vllm_flag_defaults-*.txt"))) == 1
+    second = _parse_in_fresh_process(BASE, tmp_path)
+    assert not second["vllm_imported"] and second["args"] == eager
+    # a --vllm-* flag (or --help-vllm) mirrors them again, so its value is checked by vLLM's own type
+    used = _parse_in_fresh_process([*BASE, "--vllm-max-num-seqs", "8"], tmp_path)
+    assert used["vllm_imported"] and used["args"]["vllm_max_num_seqs"] == "8"
+    # vime's own --vllm-named flags do not
+    own = _parse_in_fresh_process([*BASE, "--vllm-router-port", "8000"], tmp_path)
+    assert not own["vllm_imported"] and own["args"]["vllm_router_port"] == "8000"
+
+
+def test_the_flag_defaults_cache_follows_the_installed_vllm(tmp_path, monkeypatch):
+    """The cache key covers vLLM's source files and the VLLM_* environment: another vLLM is another entry."""
+    from vime.utils import upstream_parsers
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    own = ["--x"]
+    first = upstream_parsers._vllm_defaults_path(own)
+    monkeypatch.setenv("VLLM_SOME_SETTING", "1")
+    assert upstream_parsers._vllm_defaults_path(own) != first
+    assert upstream_parsers.cached_vllm_flag_defaults(own) is None
+    upstream_parsers.cache_vllm_flag_defaults(own, {"vllm_a": (1, "b"), "vllm_c": None})
+    assert upstream_parsers.cached_vllm_flag_defaults(own) == {"vllm_a": (1, "b"), "vllm_c": None}
+
+
 @pytest.mark.parametrize("dest", sorted(VIME_OWNED_VLLM_FLAGS))
 def test_flags_vime_owns_are_refused_with_the_fix(parser, dest, capsys):
     with pytest.raises(SystemExit):
@@ -193,6 +245,7 @@ def _error_of(argv: list[str], capsys) -> str:
         (["--vllm-max-modl-len", "3"], "did you mean --vllm-max-model-len"),
         (["--router-polcy", "x"], "did you mean --router-policy"),
         (["--rollout-temprature", "1"], "did you mean --rollout-temperature"),
+        (["--max-num-seqs", "8"], "did you mean --vllm-max-num-seqs"),  # mirrored for the hint
         (["--vllm-max-model-len", "abc"], "argument --vllm-max-model-len: invalid value 'abc'"),
         (["--vllm-tensor-parallel-size", "2"], "use --rollout-num-gpus-per-engine"),
         (["--router-policy", "nope"], "argument --router-policy: invalid choice 'nope'"),

