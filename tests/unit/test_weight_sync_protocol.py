@@ -19,7 +19,6 @@ from vime.backends.vllm_utils.weight_transports import (
     BucketRejected,
     MovePhases,
     _PingPong,
-    _wait_sent,
     write_hf_safetensors,
 )
 from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE
@@ -437,27 +436,3 @@ def test_move_phases_time_iteration_and_add_the_slowest_worker_per_bucket():
         BucketRejected, match=r"engine http://e1 \(worker 1\) rejected a bucket: w arrived changed"
     ):
         phases.wait("engine_wait_s", rejected, ["http://e0", "http://e1"])
-
-
-class FakeWork:
-    def __init__(self, done: bool = True, error: Exception | None = None):
-        self.done, self.error = done, error
-
-    def is_completed(self):
-        return self.done
-
-    def wait(self):
-        if self.error:
-            raise self.error
-
-
-def test_a_broadcast_waiting_on_a_failed_engine_raises_the_engines_error():
-    answers = concurrent.futures.Future()
-    answers.set_exception(ConnectionError("engine http://e0 gone"))
-    with pytest.raises(ConnectionError, match="e0 gone"):  # not stuck until the group's timeout
-        _wait_sent([FakeWork(done=False)], answers)
-    with pytest.raises(ConnectionError, match="e0 gone") as raised:  # the broadcast failed first
-        _wait_sent([FakeWork(error=RuntimeError("connection reset"))], answers)
-    assert "connection reset" in str(raised.value.__cause__)
-    pending = concurrent.futures.Future()
-    _wait_sent([FakeWork(), FakeWork()], pending)  # sent: the answers are not awaited

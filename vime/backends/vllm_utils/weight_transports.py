@@ -6,9 +6,8 @@ move and the bytes already staged) and ``move`` (engines paused; returns the byt
 - ``disk``: rank 0 writes HF safetensors into ``<dir>/v<version>``, which the engines can read, while they still
   generate (then ``--custom-update-weight-post-write-path`` runs); every engine ``reload_weights`` from it, and
   the directory is deleted unless ``--update-weight-disk-keep-files``.
-- ``distributed``: rank 0 broadcasts each bucket, flattened into one byte buffer behind a small header (its layout),
-  over a weight process group spanning it and every engine worker (NCCL on GPU, gloo on CPU); each worker takes the
-  whole sync in one ``receive_weights_stream`` call, loading bucket k while bucket k+1 arrives
+- ``distributed``: rank 0 broadcasts each bucket, flattened into one byte buffer, over a weight process group
+  spanning it and every engine worker (NCCL on GPU, gloo on CPU); the workers load it
   (``worker_extension.VimeWorkerExtension``).
 - ``tensor`` (colocated GPU runs): the training rank on each engine worker's GPU flattens each bucket into a
   staging buffer shared once per sync through CUDA IPC; the worker loads straight from it.
@@ -62,9 +61,8 @@ class MovePhases(Counter):
     """Seconds of one ``move`` by phase. On the sending rank: ``move_s`` (all of it), ``gather_s`` (producing the
     next bucket: the gathers over training ranks), ``pack_s`` (flattening it into a staging buffer, and its checksums),
     ``engine_wait_s`` (waiting for the engines to finish the previous bucket) and ``send_wait_s`` (waiting for a
-    staging buffer's broadcast to leave it). From the engine workers' own answers, summed over the answers (the
-    slowest worker of each; ``distributed`` answers once per sync, ``tensor`` once per bucket): ``engine_receive_s``
-    (``distributed``: the time the workers waited for data, headers included) and ``engine_load_s``."""
+    staging buffer's broadcast to leave it). From the engine workers' own answers, summed over buckets (the slowest
+    worker of each): ``engine_receive_s`` (``distributed``) and ``engine_load_s``."""
 
     def timed(self, phase: str, items: Iterable) -> Iterator:
         """``items``, adding the time each ``next()`` takes to ``phase``."""
@@ -266,10 +264,6 @@ class DistributedTransport:
             self.group = join.result()
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
-        """One ``receive_weights_stream`` call per engine for the whole sync; per bucket a header and the flattened
-        bucket are broadcast (asynchronous), the next bucket gathered and packed meanwhile into the other staging
-        buffer, and the engines' answers read at the end. While waiting for a broadcast to leave a buffer the
-        engines' answers are watched, so an engine that failed mid-sync fails the move at once."""
         if engines is None:
             return _drain(buckets)
         if self.group is None:
@@ -277,25 +271,35 @@ class DistributedTransport:
         phases = self.phases = MovePhases()
         started = time.perf_counter()
         staging = _PingPong(self.group.device)
-        sent: list[list[dist.Work]] = [[], []]
+        sent: list[dist.Work | None] = [None, None]
+        loading: concurrent.futures.Future | None = None
         nbytes = 0
-        loading = engines.submit(lambda engine: engine.collective_rpc("receive_weights_stream"))
         try:
-            stream = with_last_flag(phases.timed("gather_s", buckets))
-            for k, (bucket, final) in enumerate(_at_least_one(stream)):
-                with phases.span("send_wait_s"):
-                    _wait_sent(sent[k % 2], loading)  # the broadcast of bucket k-2 has left this buffer
+            for k, (bucket, final) in enumerate(with_last_flag(phases.timed("gather_s", buckets))):
+                if sent[k % 2] is not None:
+                    with phases.span("send_wait_s"):
+                        sent[k % 2].wait()  # the broadcast of bucket k-2 has left this buffer
                 with phases.span("pack_s"):
                     buffer, layout, _ = staging.fill(k, bucket)
-                header = {"layout": layout, "nbytes": buffer.numel(), "final": final}
-                sent[k % 2] = [*self.group.send_header(header), self.group.broadcast(buffer)]
+                if loading is not None:
+                    phases.wait("engine_wait_s", loading, engines.urls)  # bucket k-1 is in every engine
+                kwargs = {"layout": layout, "nbytes": buffer.numel(), "final": final}
+                # the engines must be receiving before the broadcast can finish: the calls start first, then the
+                # broadcast is queued (asynchronous), and the next bucket is gathered meanwhile
+                loading = engines.submit(
+                    lambda engine, kwargs=kwargs: engine.collective_rpc(
+                        "update_weights_from_distributed", kwargs=kwargs
+                    )
+                )
+                sent[k % 2] = self.group.broadcast(buffer)
                 nbytes += buffer.numel()
-            with phases.span("send_wait_s"):
-                for works in sent:
-                    _wait_sent(works, loading)
-            phases.wait("engine_wait_s", loading, engines.urls)
+            if loading is not None:
+                phases.wait("engine_wait_s", loading, engines.urls)
+            for work in sent:
+                if work is not None:
+                    work.wait()
         except BaseException:
-            self.close()  # possibly mid-collective: the next sync builds a new group (and frees the engines)
+            self.close()  # possibly mid-collective: the next sync builds a new group
             raise
         phases["move_s"] = time.perf_counter() - started
         return nbytes
@@ -398,37 +402,6 @@ class _PingPong:
         if new:
             self.buffers[k % 2] = buffer
         return buffer, layout, new
-
-
-def _at_least_one(stream: Iterator[tuple[Bucket, bool]]) -> Iterator[tuple[Bucket, bool]]:
-    """``stream``, or one empty final bucket if it has none (the engines' receive loop ends on a final one)."""
-    empty = True
-    for item in stream:
-        empty = False
-        yield item
-    if empty:
-        yield [], True
-
-
-def _wait_sent(works: list[dist.Work], answers: concurrent.futures.Future) -> None:
-    """Wait until ``works`` (broadcasts from this rank) have ended, raising the engines' error if their answers
-    (``answers``) come first with one: a receiver that failed would otherwise leave the broadcast waiting until the
-    group's timeout."""
-    while not all(work.is_completed() for work in works):
-        if answers.done() and answers.exception() is not None:
-            raise answers.exception()
-        time.sleep(0.0002)
-    try:
-        for work in works:
-            work.wait()
-    except Exception as broadcast_error:  # a receiver went away: its engine's answer says which and why
-        try:
-            answers.result(timeout=10)
-        except concurrent.futures.TimeoutError:
-            pass
-        except Exception as engine_error:
-            raise engine_error from broadcast_error
-        raise
 
 
 def _wait(

@@ -51,20 +51,6 @@ class WeightGroup:
         """Start broadcasting ``tensor`` from rank 0 (in place on the receivers); ``.wait()`` the result."""
         return self.group.broadcast(tensor, 0)
 
-    def send_header(self, header: dict) -> list[dist.Work]:
-        """Rank 0: start broadcasting ``header`` (JSON) ahead of a bucket; keep the returned works until they end."""
-        body = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(self.device)
-        size = torch.tensor([body.numel()], dtype=torch.int64, device=self.device)
-        return [self.group.broadcast(size, 0), self.group.broadcast(body, 0)]
-
-    def receive_header(self) -> dict:
-        """The next header rank 0 sent with :meth:`send_header` (blocks until it is here)."""
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
-        self.group.broadcast(size, 0).wait()
-        body = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self.group.broadcast(body, 0).wait()
-        return json.loads(body.cpu().numpy().tobytes())
-
     def close(self) -> None:
         """Leave the group, closing its connections: with gloo a member waiting in a collective with this one then
         fails at once instead of timing out (``abort`` would leave it waiting)."""
@@ -139,47 +125,22 @@ class VimeWorkerExtension:
             timeout_s,
         )
 
-    def receive_weights_stream(self) -> dict:
-        """``distributed``: receive and load every bucket of one sync, in one call. Rank 0 broadcasts per bucket a
-        header (``layout``: ``weight_buckets.bucket_layout``, ``nbytes``, ``final``) and the bucket flattened into
-        ``nbytes`` bytes; bucket k is loaded while bucket k+1 arrives (two buffers in flight). Returns this worker's
-        ``receive_s`` (blocked waiting for data), ``load_s`` and ``buckets``, or ``rejected`` (see
-        :meth:`_vime_check_and_load`; the later buckets of the sync are then received and dropped)."""
+    def update_weights_from_distributed(self, layout: list[dict], nbytes: int, final: bool = True) -> dict:
+        """Receive one bucket, flattened into ``nbytes`` bytes (``layout``: ``weight_buckets.bucket_layout``),
+        broadcast from rank 0, and load it. Returns this worker's ``receive_s`` and ``load_s``, or ``rejected``
+        (see :meth:`_vime_check_and_load`)."""
         group = self._vime_weight_group
         if group is None:
-            raise RuntimeError("receive_weights_stream before init_weight_update_group")
-        stats: Counter = Counter()
-        rejected: str | None = None
-        pending = None
-        final = False
-        while not final:
-            started = time.perf_counter()
-            header = group.receive_header()
-            buffer = torch.empty(int(header["nbytes"]), dtype=torch.uint8, device=group.device)
-            arriving = (group.broadcast(buffer), buffer, header)
-            stats["receive_s"] += time.perf_counter() - started
-            if pending is not None:
-                rejected = self._vime_receive_and_load(*pending, stats, rejected)
-            pending, final = arriving, bool(header["final"])
-        rejected = self._vime_receive_and_load(*pending, stats, rejected)
-        return {"rejected": rejected} if rejected else dict(stats)
-
-    def _vime_receive_and_load(
-        self, work: dist.Work, buffer: torch.Tensor, header: dict, stats: Counter, rejected: str | None
-    ) -> str | None:
-        """Wait for ``buffer`` to arrive, then check and load it unless an earlier bucket of the sync was
-        ``rejected``; the sync's rejection so far."""
+            raise RuntimeError("update_weights_from_distributed before init_weight_update_group")
         started = time.perf_counter()
-        work.wait()
+        buffer = torch.empty(int(nbytes), dtype=torch.uint8, device=group.device)
+        group.broadcast(buffer).wait()
         if buffer.is_cuda:
-            torch.cuda.current_stream(buffer.device).synchronize()  # received, not only queued
+            torch.cuda.synchronize(buffer.device)  # received, not only queued
         received = time.perf_counter()
-        stats["receive_s"] += received - started
-        stats["buckets"] += 1
-        if rejected is None:
-            rejected = self._vime_check_and_load(buffer, header["layout"], bool(header["final"]))
-            stats["load_s"] += time.perf_counter() - received
-        return rejected
+        if rejected := self._vime_check_and_load(buffer, layout, final):
+            return {"rejected": rejected}
+        return {"receive_s": received - started, "load_s": time.perf_counter() - received}
 
     def update_weights_from_ipc(self, buffers: list[dict], final: bool = True) -> dict:
         """``tensor`` transport: map this worker's entry of ``buffers`` (``{"handle", "layout"}``, one per engine
