@@ -245,3 +245,25 @@ def test_get_problem_says_what_went_wrong():
         silent.close()
     refused = engine_monitor.get_problem(urllib.request.Request(url + "/health"), 1)
     assert refused.startswith("GET /health failed (") and "refused" in refused, refused
+
+
+def test_a_replacement_the_router_will_not_take_waits_for_the_next_sync(router, monkeypatch):
+    engines = [FakeEngine("e0", alive=False), FakeEngine("e1", alive=False)]
+    monitor, made = _monitor(engines)
+    monitor.ensure_healthy()
+    monitor.ensure_healthy()  # both replacements up, waiting for weights
+    assert monitor.waiting_for_weights == {0, 1}
+    refused = {made[0].url}
+
+    async def register(router_url, urls):
+        if set(urls) & refused:
+            raise engine_monitor.RouterError(f"vllm-router POST /workers {urls} failed: TimeoutError()")
+        router.extend(("add", url) for url in urls)
+
+    monkeypatch.setattr(engine_monitor, "register_workers", register)
+    monitor.admit_synced()  # the run goes on: the other one joins, the refused one waits
+    assert ("add", made[1].url) in router and ("add", made[0].url) not in router
+    assert monitor.waiting_for_weights == {0}
+    refused.clear()
+    monitor.admit_synced()  # the next sync admits it
+    assert ("add", made[0].url) in router and monitor.waiting_for_weights == set()

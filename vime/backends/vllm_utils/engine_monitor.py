@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from vime.backends.vllm_utils import control_auth
 from vime.backends.vllm_utils.engine import ServerProcess
 from vime.backends.vllm_utils.engine_fleet import EngineHandle
-from vime.backends.vllm_utils.router import RouterProcess, register_workers, unregister_worker
+from vime.backends.vllm_utils.router import RouterError, RouterProcess, register_workers, unregister_worker
 from vime.utils.async_utils import run
 from vime.utils.run_context import RunContext
 
@@ -98,7 +98,8 @@ class EngineMonitor:
 
     def admit_synced(self, synced_urls: list[str] | None = None) -> None:
         """After a weight sync: the replacements it reached (``synced_urls``; None: every engine) rejoin the router.
-        One made while the sync ran (its engine died during it) waits for the next sync."""
+        One made while the sync ran (its engine died during it) waits for the next sync, and so does one the router
+        would not take (it did not answer the router's health check in time): the checks replace it if it is hung."""
         with self.lock:
             slots = sorted(
                 i
@@ -106,10 +107,19 @@ class EngineMonitor:
                 if synced_urls is None or self.engines[i].url in synced_urls
             )
             self.waiting_for_weights -= set(slots)
-            urls = [self.engines[i].url for i in slots]
-        if urls:
-            run(register_workers(self.router_url, urls))
-            logger.info("engines %s rejoined the router with the current weights", urls)
+        for slot in slots:
+            url = self.engines[slot].url
+            try:
+                run(register_workers(self.router_url, [url]))
+            except RouterError as exc:
+                logger.warning(
+                    "engine %s did not rejoin the router (%s); it waits for the next sync", url, exc
+                )
+                with self.lock:
+                    if self.engines[slot].url == url:  # not replaced meanwhile
+                        self.waiting_for_weights.add(slot)
+                continue
+            logger.info("engine %s rejoined the router with the current weights", url)
 
     def stranded(self) -> list[str]:
         """When no engine is left to serve the rollout: the URLs of the replacements that are up, waiting for
