@@ -267,3 +267,17 @@ def test_a_replacement_the_router_will_not_take_waits_for_the_next_sync(router, 
     refused.clear()
     monitor.admit_synced()  # the next sync admits it
     assert ("add", made[0].url) in router and monitor.waiting_for_weights == set()
+
+
+def test_a_replacement_that_lost_its_port_starts_again_without_counting_a_restart(router):
+    engines = [FakeEngine("e0", alive=False)]
+    monitor, made = _monitor(engines, max_restarts=1)
+    monitor.ensure_healthy()  # e0 died: a restart
+    assert monitor.metrics()["fault/engine_restarts"] == 1.0
+    made[0].alive = False  # the replacement exits while starting: its free port was taken before it bound it
+    made[0].log_tail = lambda n=40: "OSError: [Errno 98] Address already in use"
+    monitor.ensure_healthy()  # started again on another port; not a second restart (max 1 would end the run)
+    assert len(made) == 2 and monitor.metrics()["fault/engine_restarts"] == 1.0
+    made[1].alive = False  # any other death while starting still counts
+    with pytest.raises(RuntimeError, match="died 2 times"):
+        monitor.ensure_healthy()

@@ -38,6 +38,8 @@ from vime.utils.async_utils import run
 from vime.utils.run_context import RunContext
 
 logger = logging.getLogger(__name__)
+# What a replacement's log ends with when another process took the free port chosen for it before it bound it.
+PORT_TAKEN = "Address already in use"
 
 
 class EngineMonitor:
@@ -247,7 +249,11 @@ class EngineMonitor:
             logger.warning("could not remove %s from the router: %s", dead.url, e)
         tail = dead.log_tail(40)
         dead.stop(grace_s=1.0)  # dead or hung: what is left of it gets no use out of a graceful stop
-        self.restarts[slot] += 1
+        # another process bound its free port before it did: a start lost, not an engine failure
+        if PORT_TAKEN in tail:
+            logger.warning("engine %d lost its port to another process; starting it on another one", slot)
+        else:
+            self.restarts[slot] += 1
         if self.restarts[slot] > self.args.rollout_max_engine_restarts:
             raise RuntimeError(
                 f"engine {slot} died {self.restarts[slot]} times (--rollout-max-engine-restarts "
