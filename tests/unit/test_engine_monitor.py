@@ -278,6 +278,7 @@ def test_a_replacement_that_lost_its_port_starts_again_without_counting_a_restar
     made[0].log_tail = lambda n=40: "OSError: [Errno 98] Address already in use"
     monitor.ensure_healthy()  # started again on another port; not a second restart (max 1 would end the run)
     assert len(made) == 2 and monitor.metrics()["fault/engine_restarts"] == 1.0
+    assert monitor.launches == [2]  # each start still logs to its own file (rollout_manager names it by this)
     made[1].alive = False  # any other death while starting still counts
     with pytest.raises(RuntimeError, match="died 2 times"):
         monitor.ensure_healthy()

@@ -162,8 +162,8 @@ class RolloutManager:
 
     def _make_engine(self, slot: int) -> EngineHandle:
         """The policy's engine of ``slot`` (a replacement logs to its own file: the dead one's log stays)."""
-        restarts = self.monitor.restarts[slot] if self.monitor is not None else 0
-        name = f"engine_{slot}.log" if not restarts else f"engine_{slot}.restart{restarts}.log"
+        launches = self.monitor.launches[slot] if self.monitor is not None else 0
+        name = f"engine_{slot}.log" if not launches else f"engine_{slot}.restart{launches}.log"
         spec = self.specs[slot] if self.args.vllm_config else None
         return self.launcher.launch(
             self.args, slot, self.log_dir / name, self._engine_extra_args, env=self._engine_env, spec=spec

@@ -70,6 +70,7 @@ class EngineMonitor:
         # slots whose replacement is up, without the current weights
         self.waiting_for_weights: set[int] = set()
         self.restarts = [0] * len(engines)
+        self.launches = [0] * len(engines)  # replacements started per slot (each logs to its own file)
         self.fatal: BaseException | None = None
         self.controlling = 0  # control operations under way (:meth:`control`): the engine cores are not asked
         # control operations begun so far: a core probe that overlapped one does not count
@@ -259,6 +260,7 @@ class EngineMonitor:
                 f"engine {slot} died {self.restarts[slot]} times (--rollout-max-engine-restarts "
                 f"{self.args.rollout_max_engine_restarts}); last lines of {dead.log_path}:\n{tail}"
             )
+        self.launches[slot] += 1
         engine = self.make_engine(slot)
         engine.start()
         now = time.monotonic()
