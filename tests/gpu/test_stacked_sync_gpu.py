@@ -14,6 +14,7 @@ Run with the full kit (tests/gpu/README.md): ``bash tests/gpu/run.sh tests/gpu/t
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -82,7 +83,10 @@ def test_stacked_sync_matches_the_trainers_log_probs(model_dir, trainer, transpo
     ]
     assert len(stacked) == 2 * 2  # w13 and w2 of each of the 2 layers
     log = tmp_path / "engine.log"
-    gpu = "1" if transport == "distributed" else "0"
+    # the engine's GPU as this process numbers it (1: the second; 0: the trainer's own), as the engine must name it
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    index = 1 if transport == "distributed" else 0
+    gpu = visible[index] if visible != [""] else str(index)
     sample = Sample(index=0, tokens=SEQUENCE, response_length=len(SEQUENCE) - 1, status=Status.COMPLETED)
     extra = list(EXTENSION)
     if transport == "tensor":

@@ -58,15 +58,32 @@ def _ensure_optimizer_state(optimizer) -> None:
             sub._init_optimizer_states_with_dummy_values()
 
 
-def _unshare_adam_steps(optimizer) -> None:
-    """megatron-core 0.19.2's load path without Apex/TE gives every parameter's Adam state the *same* ``step``
-    tensor, which torch's Adam then increments once per parameter per step (wrong bias correction after a
-    resume): give each state its own copy."""
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+def _restore_adam_steps(optimizer, loaded: dict) -> None:
+    """Give every parameter's Adam state the step count the checkpoint saved, as its own tensor.
+
+    megatron-core 0.19.2 without Apex/TE keeps torch Adam's per-parameter ``step`` in the param groups of the
+    checkpoint, and its ``load_state_dict`` sets it, but the dp_reshardable parameter state then copies back the
+    step counters the optimizer held *before* the load (it marks them non-persistent): a resumed run restarted
+    Adam's bias correction at the dummy step 1 (seen at EP=4, ``tests/gpu/test_checkpoint_ep_gpu.py``). The load
+    also shares one ``step`` tensor between all states, which torch's Adam would then increment once per
+    parameter per step."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    per_sub = [loaded] if len(subs) == 1 else [loaded[key] for key in sorted(loaded)]
+    for sub, saved in zip(subs, per_sub, strict=True):
         inner = getattr(sub, "optimizer", None)
-        for state in inner.state.values() if inner is not None else ():
+        if inner is None:
+            continue
+        groups = saved.get("optimizer", {}).get("param_groups", []) if isinstance(saved, dict) else []
+        steps = {group["step"] for group in groups if group.get("step") is not None}
+        if len(steps) > 1:
+            raise ValueError(
+                f"the checkpoint's optimizer param groups disagree on Adam's step: {sorted(steps)}"
+            )
+        saved_step = float(next(iter(steps))) if steps else None
+        for state in inner.state.values():
             if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
+                step = state["step"]
+                state["step"] = step.clone() if saved_step is None else torch.full_like(step, saved_step)
 
 
 def _sync_hybrid_optimizer(optimizer) -> None:
@@ -124,8 +141,8 @@ def load(load_dir, step: int | None, model, optimizer, scheduler, load_rng: bool
     model.load_state_dict(loaded["model"], strict=False)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer, loaded["optimizer"])
         _sync_hybrid_optimizer(optimizer)
-        _unshare_adam_steps(optimizer)
     vime_state = torch.load(iter_dir / "vime_state.pt", weights_only=False)
     if scheduler is not None and vime_state.get("scheduler") is not None:
         scheduler.load_state_dict(vime_state["scheduler"])
