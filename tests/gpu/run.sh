@@ -6,6 +6,8 @@
 set -o pipefail
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+# the lent hosts keep NVLink multicast off (shared GPUs; KINDS.md): state it for every program started here
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-/tmp/gpu-out}
 base=$(mktemp -d /tmp/vime-gpu-XXXX)
 mkdir -p "$out"

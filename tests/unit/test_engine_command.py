@@ -86,6 +86,34 @@ def test_engine_env_sizes_the_cpu_kv_cache_only_when_the_user_did_not(
     assert "VLLM_SERVER_DEV_MODE" not in base  # the caller's mapping is not modified
 
 
+@pytest.mark.parametrize(
+    ("host_env", "expected"),
+    [
+        ({}, None),  # multicast allowed: vLLM's own choice
+        ({"NCCL_NVLS_ENABLE": "0"}, "trtllm"),
+        ({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}, "trtllm"),
+        ({"NCCL_NVLS_ENABLE": "1"}, None),
+        ({"NCCL_NVLS_ENABLE": "0", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}, "trtllm"),
+    ],
+)
+def test_flashinfer_allreduce_stays_off_multicast_where_the_host_turns_it_off(host_env, expected):
+    env = build_engine_env(_args(), base_env={"PATH": "/bin", **host_env})
+    assert env.get("VLLM_FLASHINFER_ALLREDUCE_BACKEND") == expected
+
+
+def test_a_multicast_allreduce_backend_is_refused_where_the_host_turns_multicast_off():
+    base = {"NCCL_NVLS_ENABLE": "0", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "mnnvl"}
+    with pytest.raises(ValueError, match=r"mnnvl .*NCCL_NVLS_ENABLE=0.*fuse_allreduce_rms"):
+        build_engine_env(_args(), base_env=base)
+    # without the host's setting, the user's choice stands
+    assert (
+        build_engine_env(_args(), base_env={"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "mnnvl"})[
+            "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
+        ]
+        == "mnnvl"
+    )
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "8.8.8.8"])
 def test_public_or_wildcard_hosts_are_refused(host):
     with pytest.raises(ValueError, match="no authentication"):

@@ -147,13 +147,42 @@ def engine_command(
     return build_engine_command(args, host, port, model_path, extra_args)
 
 
+# Settings by which a host turns NVLink multicast off for NCCL, PyTorch and NVSHMEM (shared GPU hosts do: a
+# program that creates multicast objects can take every GPU of the host out of service).
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+FI_ALLREDUCE_BACKEND = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
+
+
+def _keep_multicast_off(env: dict[str, str]) -> None:
+    """Where the host turns NVLink multicast off, keep vLLM's FlashInfer all-reduce (the AllReduce+RMSNorm fusion
+    of TP > 1 engines) off it too: vLLM 0.25 picks FlashInfer's ``mnnvl`` backend, which calls
+    ``cuMulticastCreate`` itself, past the NCCL/PyTorch settings; ``trtllm`` allocates through PyTorch's
+    symmetric memory, which honours them."""
+    off = sorted(key for key, value in MULTICAST_OFF.items() if env.get(key) == value)
+    if not off:
+        return
+    chosen = env.setdefault(FI_ALLREDUCE_BACKEND, "trtllm")
+    if chosen == "mnnvl":
+        raise ValueError(
+            f"{FI_ALLREDUCE_BACKEND}=mnnvl makes vLLM's FlashInfer all-reduce create NVLink multicast objects, but "
+            f"this host turns multicast off ({', '.join(f'{key}={env[key]}' for key in off)}); unset it (vime then "
+            f"uses 'trtllm') or pass --vllm-compilation-config '{{\"pass_config\": {{\"fuse_allreduce_rms\": false}}}}'"
+        )
+
+
 def build_engine_env(args: argparse.Namespace, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The server's environment: ``base_env`` (default ``os.environ``) plus dev-mode control routes, no usage
-    stats, and on CPU a 1 GiB KV cache unless the user sized it (``VLLM_CPU_KVCACHE_SPACE``,
-    ``--vllm-kv-cache-memory-bytes`` or ``--vllm-gpu-memory-utilization``)."""
+    stats, FlashInfer's all-reduce kept off NVLink multicast where the host turns it off, and on CPU a 1 GiB KV
+    cache unless the user sized it (``VLLM_CPU_KVCACHE_SPACE``, ``--vllm-kv-cache-memory-bytes`` or
+    ``--vllm-gpu-memory-utilization``)."""
     import torch
 
     env = dict(os.environ if base_env is None else base_env)
+    _keep_multicast_off(env)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env[control_auth.SECRET_ENV] = control_auth.run_secret()
     env["VLLM_NO_USAGE_STATS"] = "1"
