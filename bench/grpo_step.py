@@ -38,7 +38,8 @@ REPORTED = [
 ]  # fmt: skip
 CHECK_PARTS = ["weight_sync/checksum_s", "weight_sync/check_trainer_s", "weight_sync/check_s"]
 START_PHASE = re.compile(r"\[vime\] (.+ \d+ s after start)$")  # start_run's progress (vime/ray/run.py)
-STEP_LINE = re.compile(r"\[rollout \d+(/\d+)?\]( |$)")  # the tracker's status line, printed once a step is logged
+# the tracker's status line (vime/utils/tracking.py), printed once a step is logged
+STEP_LINE = re.compile(r"\[rollout \d+(/\d+)?\]( |$)")
 
 
 def gpu_memory_peak(stop: threading.Event, peak: list[int]) -> None:
