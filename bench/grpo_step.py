@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +37,9 @@ REPORTED = [
     "weight_sync/checksum_s", "weight_sync/check_trainer_s", "weight_sync/check_s",
 ]  # fmt: skip
 CHECK_PARTS = ["weight_sync/checksum_s", "weight_sync/check_trainer_s", "weight_sync/check_s"]
+START_PHASE = re.compile(r"\[vime\] (.+ \d+ s after start)$")  # start_run's progress (vime/ray/run.py)
+# the tracker's status line (vime/utils/tracking.py), printed once a step is logged
+STEP_LINE = re.compile(r"\[rollout \d+(/\d+)?\]( |$)")
 
 
 def gpu_memory_peak(stop: threading.Event, peak: list[int]) -> None:
@@ -49,9 +54,36 @@ def gpu_memory_peak(stop: threading.Event, peak: list[int]) -> None:
             peak[0] = max(peak[0], *used)
 
 
-def run_steps(argv: list[str], work: Path) -> tuple[dict[str, float], list[dict], float, float]:
-    """Run ``train.py`` (``argv``, logging to ``work/logs``) and return the median of :data:`REPORTED` over its
-    steps after the first, those steps' metric records, the GPU memory peak (GiB) and the wall time (s)."""
+def progress_line(line: str, elapsed_s: float) -> str | None:
+    """The ``[bench]`` line reporting ``line`` of ``train.py``'s output if it marks progress (a start-up phase, or a
+    step's status line), else None: ``bench/run.sh`` shows only ``[bench]`` lines, so a call cut off still says how
+    far the run got."""
+    line = line.rstrip("\n")
+    if phase := START_PHASE.match(line):
+        return f"[bench] {phase.group(1)}"
+    if STEP_LINE.match(line):
+        return f"[bench] {elapsed_s:.0f} s: {line}"
+    return None
+
+
+def read_steps(work: Path) -> tuple[dict[str, float], list[dict]]:
+    """The median of :data:`REPORTED` over the steps logged so far after the first (the first alone while it is the
+    only one), and those steps' metric records."""
+    records = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "time/train_s" in r][1:] or [r for r in records if "time/train_s" in r]
+    figures = {k: statistics.median(r[k] for r in steps) for k in REPORTED if all(k in r for r in steps)}
+    return figures, steps
+
+
+StepCallback = Callable[[dict[str, float], list[dict], float, float], None]
+
+
+def run_steps(
+    argv: list[str], work: Path, on_step: StepCallback | None = None
+) -> tuple[dict[str, float], list[dict], float, float]:
+    """Run ``train.py`` (``argv``, logging to ``work/logs``) and return :func:`read_steps`' figures and steps, the GPU
+    memory peak (GiB) and the wall time (s). Its output passes through, with a :func:`progress_line` for each phase
+    as it happens; after each step ``on_step`` gets the same four values so far."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
@@ -60,16 +92,25 @@ def run_steps(argv: list[str], work: Path) -> tuple[dict[str, float], list[dict]
     poller = threading.Thread(target=gpu_memory_peak, args=(stop, peak), daemon=True)
     poller.start()
     started = time.monotonic()
+    run = subprocess.Popen(
+        argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
-        subprocess.run(argv, cwd=work, env=env, check=True)
+        for line in run.stdout:
+            print(line, end="", flush=True)
+            if progress := progress_line(line, time.monotonic() - started):
+                print(progress, flush=True)
+                if on_step is not None and STEP_LINE.match(line):
+                    on_step(*read_steps(work), peak[0] / 1024, time.monotonic() - started)
+        if run.wait():
+            raise subprocess.CalledProcessError(run.returncode, argv)
     finally:
+        if run.poll() is None:  # an exception here (on_step's included) ends the run, as subprocess.run would
+            run.kill()
+            run.wait()
         stop.set()
         poller.join()
-    wall = time.monotonic() - started
-    records = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "time/train_s" in r][1:] or [r for r in records if "time/train_s" in r]
-    figures = {k: statistics.median(r[k] for r in steps) for k in REPORTED if all(k in r for r in steps)}
-    return figures, steps, peak[0] / 1024, wall
+    return *read_steps(work), peak[0] / 1024, time.monotonic() - started
 
 
 def main() -> None:

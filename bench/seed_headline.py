@@ -10,6 +10,17 @@ and betas (0.9, 0.98), full recompute, ``--max-tokens-per-gpu 20480``, the engin
 ``G`` GPUs the trainer runs TP=min(4, G) with sequence parallelism and EP=G, and one engine spans all G GPUs
 (slime: TP 4, EP 8, one 8-GPU engine).
 
+The engines run without vLLM's AllReduce+RMSNorm fusion (``--no-allreduce-rms-fusion``, the default here): for
+TP > 1 on Hopper/Blackwell, vLLM 0.25 turns ``pass_config.fuse_allreduce_rms`` on (``config/vllm.py:128``), and its
+pass builds two FlashInfer workspaces at compile time (``compilation/passes/fusion/allreduce_rms_fusion.py:1006,1013``):
+one on the ``mnnvl`` backend, which needs NVLink multicast (barred on the lent GPU hosts), and an FP8/FP4 "quant"
+one on ``trtllm`` that an unquantized model never uses. On 4 x H200 the second took 4 minutes of the engine's start
+(16:54:52 -> 16:58:45 in its log), so the first step never finished inside a 10-minute call.
+
+Start-up phases and each step are printed (``[bench]`` lines) as they happen, and the result JSON is rewritten after
+every step (``"steps_done"``, ``"complete"``): a call cut off keeps what it measured. On the device machine pass
+``--out "$OUT/<name>.json"`` so the file comes back even then.
+
     python bench/seed_headline.py --num-layers 4                   # 1 GPU, reduced
     python bench/seed_headline.py --num-layers 48 --gpus 8         # the headline run (8 x H200)
 """
@@ -17,6 +28,7 @@ and betas (0.9, 0.98), full recompute, ``--max-tokens-per-gpu 20480``, the engin
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -62,10 +74,12 @@ def slime_argv(opts, model_dir: Path, work: Path) -> list[str]:
         argv.append("--moe-grouped-gemm")
     if not opts.cuda_graphs:
         argv.append("--vllm-enforce-eager")
+    if not opts.allreduce_rms_fusion:
+        argv += ["--vllm-compilation-config", json.dumps({"pass_config": {"fuse_allreduce_rms": False}})]
     return argv + opts.extra
 
 
-def main() -> None:
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-layers", type=int, default=48, help="of Qwen3-30B-A3B's 48")
     p.add_argument("--gpus", type=int, default=1)
@@ -78,15 +92,27 @@ def main() -> None:
     p.add_argument(
         "--grouped-gemm", action=argparse.BooleanOptionalAction, default=True, help="--moe-grouped-gemm"
     )
-    p.add_argument("--out", default=None)
+    p.add_argument(
+        "--allreduce-rms-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="vLLM's pass_config.fuse_allreduce_rms (FlashInfer workspaces; see above); off unless given",
+    )
+    p.add_argument("--out", default=None, help="the result JSON (default bench/results/<name>.json)")
     p.add_argument("extra", nargs="*", help="more train.py flags, after --")
-    opts = p.parse_args()
+    return p.parse_args(argv)
 
-    shape = f"30b-a3b-{opts.num_layers}l"
-    model_dir = build_shape(shape, max_position_embeddings=opts.max_response_len + 256)
-    work = Path(tempfile.mkdtemp(prefix="vime-headline-"))
-    os.environ["VIME_BENCH_MEAN_RESPONSE_LEN"] = str(opts.mean_response_len)
-    figures, steps, peak_gib, wall = run_steps(slime_argv(opts, model_dir, work), work)
+
+def result(
+    opts,
+    shape: str,
+    model_dir: Path,
+    figures: dict[str, float],
+    steps: list[dict],
+    peak_gib: float,
+    wall: float,
+) -> dict:
+    """The result JSON of the steps so far (:func:`bench.grpo_step.read_steps`)."""
     generated = statistics.median(s.get("rollout/response_tokens", 0) for s in steps)
     train_tokens = figures.get("train/tokens_per_s", 0.0) * figures.get("train/step_time_s", 0.0)
     params = matmul_params(model_dir)
@@ -97,40 +123,56 @@ def main() -> None:
         else None
     )
     step_s = figures["time/rollout_s"] + figures["time/train_s"] + figures["time/sync_s"]
+    done = steps[-1]["rollout_id"] + 1
+    return {
+        "benchmark": "seed_headline",
+        "workload": {
+            "shape": shape,
+            "gpus": opts.gpus,
+            "prompts": 32,
+            "n_samples_per_prompt": 8,
+            "global_batch": 256,
+            "mean_response_len": opts.mean_response_len,
+            "max_response_len": opts.max_response_len,
+            "max_tokens_per_gpu": opts.max_tokens_per_gpu,
+            "cuda_graphs": opts.cuda_graphs,
+            "allreduce_rms_fusion": opts.allreduce_rms_fusion,
+            "vllm_gpu_memory_utilization": opts.gpu_memory_utilization,
+            "active_matmul_params": params,
+            "extra": opts.extra,
+        },  # fmt: skip
+        "steps_done": done,
+        "complete": done == opts.steps,
+        "seed_step_s": SEED_STEP_S,
+        "step_s": step_s,
+        "generated_tok_per_s": generated / figures["time/rollout_s"] if generated else None,
+        "train_tok_per_s": figures.get("train/tokens_per_s"),
+        "train_mfu": mfu,
+        "gpu_memory_peak_gib": peak_gib,
+        "wall_s": wall,
+        "median_of_steps": figures,
+        "steps": steps,
+        "summary": f"{shape} {opts.gpus} GPU(s), {done}/{opts.steps} steps: step {step_s:.1f} s = rollout "
+        f"{figures['time/rollout_s']:.1f} + train {figures['time/train_s']:.1f} + sync {figures['time/sync_s']:.2f} "
+        f"(offload {figures.get('time/offload_s', 0):.2f}, onload {figures.get('time/onload_s', 0):.2f}); "
+        f"train MFU {mfu or 0:.0%}; GPU peak {peak_gib:.0f} GiB",
+    }
+
+
+def main() -> None:
+    opts = parse_options()
+    shape = f"30b-a3b-{opts.num_layers}l"
+    model_dir = build_shape(shape, max_position_embeddings=opts.max_response_len + 256)
+    print(f"[bench] model ready: {model_dir}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="vime-headline-"))
+    os.environ["VIME_BENCH_MEAN_RESPONSE_LEN"] = str(opts.mean_response_len)
     name = f"seed_headline_{shape}_{opts.gpus}gpu" + ("" if opts.grouped_gemm else "_sequential-experts")
-    write_result(
-        opts.out or f"bench/results/{name}.json",
-        {
-            "benchmark": "seed_headline",
-            "workload": {
-                "shape": shape,
-                "gpus": opts.gpus,
-                "prompts": 32,
-                "n_samples_per_prompt": 8,
-                "global_batch": 256,
-                "mean_response_len": opts.mean_response_len,
-                "max_response_len": opts.max_response_len,
-                "max_tokens_per_gpu": opts.max_tokens_per_gpu,
-                "cuda_graphs": opts.cuda_graphs,
-                "vllm_gpu_memory_utilization": opts.gpu_memory_utilization,
-                "active_matmul_params": params,
-                "extra": opts.extra,
-            },  # fmt: skip
-            "seed_step_s": SEED_STEP_S,
-            "step_s": step_s,
-            "generated_tok_per_s": generated / figures["time/rollout_s"] if generated else None,
-            "train_tok_per_s": figures.get("train/tokens_per_s"),
-            "train_mfu": mfu,
-            "gpu_memory_peak_gib": peak_gib,
-            "wall_s": wall,
-            "median_of_steps": figures,
-            "steps": steps,
-            "summary": f"{name}: step {step_s:.1f} s = rollout {figures['time/rollout_s']:.1f} + train "
-            f"{figures['time/train_s']:.1f} + sync {figures['time/sync_s']:.2f} (offload "
-            f"{figures.get('time/offload_s', 0):.2f}, onload {figures.get('time/onload_s', 0):.2f}); "
-            f"train MFU {mfu or 0:.0%}; GPU peak {peak_gib:.0f} GiB",
-        },
-    )
+    out = opts.out or f"bench/results/{name}.json"
+
+    def write(*so_far) -> None:
+        write_result(out, result(opts, shape, model_dir, *so_far))
+
+    write(*run_steps(slime_argv(opts, model_dir, work), work, on_step=write))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,13 @@ pytestmark = [
 ]
 
 
+# vLLM 0.25 runs gated-DeltaNet prefill on FlashInfer's kernel on any Hopper GPU, whatever the key head size
+# (qwen_gdn_linear_attn.py:186; on Blackwell only for head_k_dim 128, :190), and JIT-compiles it (3.5 min of the
+# engine's start). With the tiny model's head_k_dim 64 the first completion's log-probs were NaN (4 x H200,
+# 2026-11-27); Triton/FLA is vLLM's kernel for every other case.
+ENGINE_FLAGS = {"qwen3_next": ("--vllm-gdn-prefill-backend", "triton")}
+
+
 def fsdp_args(model_dir: str, *flags: str):
     from vime.utils.arguments import parse_args
 
@@ -48,7 +55,7 @@ def test_engine_routed_experts_reach_the_fsdp_trainer(arch, tmp_path):
     config = AutoConfig.from_pretrained(model)
     layers, topk = config.num_hidden_layers, config.num_experts_per_tok
     moe_layers = [i for i in range(layers) if arch != "deepseek_v3" or i >= config.first_k_dense_replace]
-    samples = engine_samples(model, "bfloat16", tmp_path / "engine.log")
+    samples = engine_samples(model, "bfloat16", tmp_path / "engine.log", *ENGINE_FLAGS.get(arch, ()))
     engine = [s.rollout_routed_experts for s in samples]
     assert all(r.shape == (len(s.tokens) - 1, layers, topk) for s, r in zip(samples, engine, strict=True))
 

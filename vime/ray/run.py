@@ -265,6 +265,7 @@ def start_run(args: argparse.Namespace) -> Run:
     check_run_paths(args)
     started = time.monotonic()
     init_ray(args)
+    _print_elapsed("Ray up", started)
     log_dir = run_dir(args)
     pgs = create_placement_groups(args)
     actor = critic = manager = None

