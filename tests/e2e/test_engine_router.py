@@ -1,4 +1,5 @@
-"""vime's engine launcher, control client and router glue against a real vLLM server and vllm-router.
+"""vime's engine launcher, control client and router glue against a real vLLM server and vllm-router; the tiny
+model's token-in/token-out, stop tokens and chat template in that server.
 
 One engine and one router are shared by the module (2 CPU cores); the last test stops them and checks that
 no process is left, so keep it last.
@@ -157,6 +158,56 @@ def test_generate_through_router_and_manage_workers(served):
     assert no_worker.status_code == 503, no_worker.text
     asyncio.run(register_workers(router.url, [engine.url]))
     assert asyncio.run(list_workers(router.url)) == [engine.url]
+
+
+def _complete(url: str, model: str, prompt_ids: list[int], **extra) -> dict:
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": 4, "return_token_ids": True, "logprobs": 0}
+    resp = requests.post(f"{url}/v1/completions", json={**body, "temperature": 1.0, **extra}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+@pytest.mark.timeout(120)
+def test_tiny_model_serves_tokens_and_logprobs_and_its_chat_template(served):
+    """The tiny model in the real server: token-in/token-out with log-probs, both eos ids stop, the server's chat
+    template is the tokenizer's, and its engine core is forked (vime's CPU server)."""
+    from transformers import AutoTokenizer
+
+    engine, model = served.engine, served.model
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt_ids = tok.encode("17+3=")
+
+    choice = _complete(engine.url, model, prompt_ids)
+    assert choice["finish_reason"] in {"stop", "length"}
+    token_ids, logprobs = _tokens_and_logprobs(choice)
+    assert 1 <= len(token_ids) <= 4
+    assert all(isinstance(t, int) and 0 <= t < len(tok) for t in token_ids)
+    assert choice["prompt_token_ids"] == prompt_ids
+
+    # Both eos ids end a response (tokenizer eos <|im_end|>, plus generation_config's <|endoftext|>), and
+    # the stop token is part of token_ids.
+    for eos in (tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id):
+        forced = _complete(engine.url, model, prompt_ids, logit_bias={str(eos): 100})
+        assert forced["finish_reason"] == "stop" and forced["token_ids"] == [eos], forced
+
+    # The server renders chats with the tokenizer's own template.
+    messages = [{"role": "user", "content": "17+3="}]
+    body = {"model": model, "messages": messages, "max_tokens": 2, "return_token_ids": True}
+    chat = requests.post(f"{engine.url}/v1/chat/completions", json=body, timeout=60)
+    assert chat.status_code == 200, chat.text
+    expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.json()["prompt_token_ids"] == tok.encode(expected)
+
+    # on CPU the engine core is forked from the server (vime.backends.vllm_utils.cpu_server): a spawning server also
+    # starts multiprocessing's resource tracker, and its core imports vLLM a second time
+    (server,) = [
+        c
+        for c in psutil.Process(engine.proc.pid).children(recursive=True)
+        if "vime.backends.vllm_utils.cpu_server" in c.cmdline()
+    ]
+    assert [c.name() for c in server.children()] == ["VLLM::EngineCore"], [
+        c.cmdline() for c in server.children()
+    ]
 
 
 def _prompt_logprobs(engine_url: str, model: str, token_ids: list[int]) -> list[float]:

@@ -1,10 +1,10 @@
 """The examples' plug-ins end to end through the real rollout manager (vLLM engine + vllm-router) on the tiny model.
 
-One engine serves every example (module scope; each test swaps the args and data it needs); the on-policy
-distillation test adds a second engine as the teacher. The tiny model does not solve the tasks: the tests check
-the pipeline (turns, tool calls and their results, loss masks covering only generated tokens, log-probs, rewards,
-metrics). Where a turn must call a tool, its first turn is constrained by vLLM's structured outputs
-(``example_plugins``).
+The first pooled engine serves every example (module scope; each test swaps the args and data it needs); the
+on-policy distillation test loads a teacher's weights into the second (the pool's next user gets the checkpoint's
+back). The tiny model does not solve the tasks: the tests check the pipeline (turns, tool calls and their results,
+loss masks covering only generated tokens, log-probs, rewards, metrics). Where a turn must call a tool, its first turn
+is constrained by vLLM's structured outputs (``example_plugins``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.rollout import sglang_compat
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.rollout_manager import RolloutManager
@@ -38,22 +39,21 @@ B, N = 2, 2
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """The tiny model (seed 0) with room for multi-turn conversations (2048 positions)."""
-    return build_tiny_model(
-        tmp_path_factory.mktemp("examples") / "model", seed=0, max_position_embeddings=2048
-    )
+def model_dir(tiny_model_dir) -> Path:
+    """The tiny model (seed 0), served by the pool with room for multi-turn conversations (2048 positions)."""
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
-def manager(model_dir, tmp_path_factory):
+def manager(model_dir, tmp_path_factory, shared_engines):
     tmp = tmp_path_factory.mktemp("examples")
+    shared_engines.reset()
     args = parse_args(
         [
             "--train-backend", "fsdp", "--debug-rollout-only", "--hf-checkpoint", str(model_dir),
             "--prompt-data", str(model_dir / "train.jsonl"), "--rollout-batch-size", str(B),
             "--n-samples-per-prompt", str(N), "--rollout-max-response-len", "8", "--rm-type", "exact",
-            "--num-rollout", "1", "--vllm-enforce-eager", "--vllm-dtype", "float32", "--vllm-max-model-len", "2048",
+            "--num-rollout", "1", "--rollout-external-engine-addrs", *shared_engines.addrs(1),
             "--log-dir", str(tmp),
         ]
     )  # fmt: skip
@@ -227,9 +227,18 @@ def test_multi_agent_returns_every_agents_sample_as_one_trajectory(manager, gsm8
 
 
 @pytest.fixture(scope="module")
-def teacher(module_engine_factory, tmp_path_factory):
+def teacher(shared_engines, tmp_path_factory):
+    """Another tiny model (seed 1), its weights loaded into the second pooled engine."""
     model_dir = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=1, task=None)
-    return model_dir, module_engine_factory(model_dir)
+    engine = shared_engines.engines[1]
+
+    async def load(client) -> None:
+        await client.reload_weights(str(model_dir))
+        assert await client.reset_prefix_cache()
+
+    with EngineGroup([engine.url]) as group:
+        group.run(load)
+    return model_dir, engine
 
 
 def test_on_policy_distillation_takes_per_token_log_probs_from_a_teacher_engine(manager, teacher, policy):

@@ -16,9 +16,8 @@ import torch
 from conftest import EnginePool
 
 from vime.backends.vllm_utils.control_client import EngineControlClient
-from vime.rollout import fully_async_rollout
+from vime.rollout import fully_async_rollout, router_client
 from vime.rollout.rollout_manager import RolloutManager
-from vime.rollout.router_client import ROUTER_ERROR_RETRY_S
 from vime.rollout.vllm_rollout import RolloutError
 from vime.utils.arguments import parse_args
 from vime.utils.async_utils import run
@@ -28,6 +27,7 @@ from vime.utils.types import Status
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 B, N = 4, 4
+RETRY_WINDOW_S = 5.0  # how long a lost router is sent to again in the router-kill test
 
 
 def rollout_args(model_dir, tmp_path, pool: EnginePool | None, *extra: str) -> argparse.Namespace:
@@ -298,7 +298,10 @@ def test_fully_async_worker_across_a_paused_engine_and_stale_groups(manager):
     assert rollout.worker.stopped and not rollout.worker.in_flight
 
 
-def test_killing_the_router_mid_run_gives_a_clear_error(tiny_model_dir, tmp_path, engine_pool):
+def test_killing_the_router_mid_run_gives_a_clear_error(tiny_model_dir, tmp_path, engine_pool, monkeypatch):
+    # the retry window shortened from ROUTER_ERROR_RETRY_S (60 s of waiting on a dead router) to a few seconds: the
+    # same path runs (sent again until the window ends, then the rollout stops with the reason)
+    monkeypatch.setattr(router_client, "ROUTER_ERROR_RETRY_S", RETRY_WINDOW_S)
     args = rollout_args(
         tiny_model_dir,
         tmp_path,
@@ -307,17 +310,23 @@ def test_killing_the_router_mid_run_gives_a_clear_error(tiny_model_dir, tmp_path
         "rollout_plugins.slow_odd_groups",
     )
     mgr = RolloutManager(args, tmp_path)
+    killed_at = []
+
+    def kill_router():
+        os.killpg(mgr.router.proc.pid, signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
     try:
         mgr.start()
-        killer = threading.Timer(1.0, lambda: os.killpg(mgr.router.proc.pid, signal.SIGKILL))
+        killer = threading.Timer(1.0, kill_router)
         killer.start()
-        started = time.monotonic()
         with pytest.raises(
-            RolloutError, match="lost the router at .* still failing 60 s after the first try"
+            RolloutError,
+            match=f"lost the router at .* still failing {RETRY_WINDOW_S:g} s after the first try",
         ):
             for rollout_id in range(20):
                 mgr.generate(rollout_id)
-        # a lost router is sent to again for ROUTER_ERROR_RETRY_S (it may come back), then the rollout stops
-        assert time.monotonic() - started < ROUTER_ERROR_RETRY_S + 30
+        # a lost router is sent to again for the window (it may come back), then the rollout stops
+        assert RETRY_WINDOW_S <= time.monotonic() - killed_at[0] < RETRY_WINDOW_S + 30
     finally:
         mgr.shutdown()

