@@ -111,10 +111,10 @@ class WeightGroup:
         self.group.abort()
 
     def close(self, reason: str) -> None:
-        """Rank 0: leave the group. Workers waiting in a sync are told to leave it (the store's abort key, with
-        ``reason``: :meth:`wait`), then the communicator is aborted (NCCL: ``shutdown`` would wait for pending kernels,
-        forever if a member died) and dropped: with gloo, dropping the last reference closes its connections, which
-        fails a peer's pending receive at once (torch 2.13: neither ``abort`` nor ``shutdown`` does)."""
+        """Rank 0, before dropping its member: workers waiting in a sync are told to leave it (the store's abort key,
+        with ``reason``: :meth:`wait`), then the communicator is aborted (NCCL: ``shutdown`` would wait for pending
+        kernels, forever if a member died). With gloo it is the member's destruction that closes its connections,
+        failing the workers' pending receives (torch 2.13: neither ``abort`` nor ``shutdown`` does)."""
         self.store.set(ABORT_KEY, reason)
         self.abort()
 
