@@ -5,23 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import gc
 import json
 import os
 import re
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import vime.backends.vllm_utils.weight_sync as weight_sync
+from vime.backends.vllm_utils.control_client import EngineControlError, EngineGroup
 from vime.backends.vllm_utils.weight_transports import (
     BucketRejected,
+    DistributedTransport,
     MovePhases,
     _PingPong,
+    _wait_sent,
     write_hf_safetensors,
 )
-from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE
+from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE, VimeWorkerExtension
 from vime.utils.async_utils import run as async_run
 from vime.utils.weight_buckets import (
     add_checksums,
@@ -436,3 +443,123 @@ def test_move_phases_time_iteration_and_add_the_slowest_worker_per_bucket():
         BucketRejected, match=r"engine http://e1 \(worker 1\) rejected a bucket: w arrived changed"
     ):
         phases.wait("engine_wait_s", rejected, ["http://e0", "http://e1"])
+    left = concurrent.futures.Future()
+    left.set_result([[{"aborted": "the trainer gave the sync up"}]])
+    with pytest.raises(RuntimeError, match=r"engine http://e0 \(worker 0\) left the sync: the trainer gave"):
+        phases.wait("engine_wait_s", left, ["http://e0"])
+
+
+class FakeWork:
+    def __init__(self, done: bool = True, error: Exception | None = None):
+        self.done, self.error = done, error
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self):
+        if self.error:
+            raise self.error
+
+
+def test_a_broadcast_waiting_on_a_failed_engine_raises_the_engines_error():
+    answers = concurrent.futures.Future()
+    answers.set_exception(ConnectionError("engine http://e0 gone"))
+    with pytest.raises(ConnectionError, match="e0 gone"):  # not stuck until the group's timeout
+        _wait_sent([FakeWork(done=False)], answers)
+    with pytest.raises(ConnectionError, match="e0 gone") as raised:  # the broadcast failed first
+        _wait_sent([FakeWork(error=RuntimeError("connection reset"))], answers)
+    assert "connection reset" in str(raised.value.__cause__)
+    pending = concurrent.futures.Future()
+    _wait_sent([FakeWork(), FakeWork()], pending)  # sent: the answers are not awaited
+
+
+class CpuWorker(VimeWorkerExtension):
+    """A vLLM CPU worker as far as the worker extension needs one: worker 0 of its engine, a model without fused MoE,
+    and ``reload_weights`` recording what each reload loaded."""
+
+    rank = 0
+
+    def __init__(self):
+        self.model_runner = SimpleNamespace(get_model=torch.nn.Module)
+        self.loaded: list[dict[str, torch.Tensor]] = []
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        self.loaded.append(dict(weights_iterator))
+
+
+class WorkerClient:
+    """An engine's control client whose ``collective_rpc`` runs the method on its in-process worker, on one thread of
+    its own (as the engine core would), keeping the answers."""
+
+    def __init__(self, worker: CpuWorker, url: str):
+        self.worker, self.url = worker, url
+        self.engine_thread = concurrent.futures.ThreadPoolExecutor(1)
+        self.answers: list = []
+
+    async def collective_rpc(self, method, args=None, kwargs=None):
+        call = functools.partial(getattr(self.worker, method), *(args or []), **(kwargs or {}))
+        answer = await asyncio.get_running_loop().run_in_executor(self.engine_thread, call)
+        self.answers.append(answer)
+        return [answer]
+
+    async def close(self):
+        pass
+
+
+class DyingClient(WorkerClient):
+    """An engine killed once it joined the weight group: at the sync its member of the group goes (its connections
+    close, as when its process dies) and the call fails as a call to a dead engine does."""
+
+    async def collective_rpc(self, method, args=None, kwargs=None):
+        if method == "init_weight_update_group":
+            return await super().collective_rpc(method, args, kwargs)
+        self.worker._vime_weight_group = None
+        raise EngineControlError(f"collective_rpc {method}", self.url, None, "ClientConnectorError(refused)")
+
+
+def engine_group(clients: list[WorkerClient]) -> EngineGroup:
+    engines = EngineGroup([client.url for client in clients])
+    engines.clients = clients
+    return engines
+
+
+def test_when_an_engine_dies_mid_sync_the_survivor_leaves_its_call_and_takes_the_next_sync_whole():
+    """The streamed receive (one call per sync) over a real gloo weight group: an engine dies in the sync, the
+    trainer gives the sync up, and the surviving engine leaves its call at once (not at the group's timeout: gloo's
+    pending receive would wait that long, NCCL's forever), drops what it staged of the sync, and the sync done again
+    without the dead engine loads every bucket."""
+    survivor = WorkerClient(CpuWorker(), "http://127.0.0.1:1")
+    engines = engine_group([survivor, DyingClient(CpuWorker(), "http://127.0.0.2:1")])
+    transport = DistributedTransport(engines.urls, workers_per_engine=1, rank=0, backend="gloo", timeout_s=60)
+    transport.connect(engines)
+    survivor.answers.clear()
+    # the trainer's member of the group outlives the sync (as when its traceback holds it): its connections stay
+    # open, so the survivor's pending receive does not fail, and a worker that dropped its member with it pending
+    # would wait in the destructor until the group's timeout
+    trainer_member = transport.group
+    buckets = [[(f"w{i}", torch.full((256, 1024), float(i)))] for i in range(6)]  # 1 MiB each
+    started = time.monotonic()
+    with pytest.raises(EngineControlError, match="127.0.0.2"):
+        transport.move(iter(buckets), engines, rank=0)
+    while not survivor.answers and time.monotonic() - started < 30:
+        time.sleep(0.01)
+    assert time.monotonic() - started < 10, "the survivor stayed in its call"
+    assert "the trainer gave the sync up" in survivor.answers[0]["aborted"]
+    assert survivor.worker._vime_weight_group is None and transport.group is None
+    assert "_vime_staged_weights" not in survivor.worker.__dict__ and survivor.worker.loaded == []
+
+    alone = engine_group([survivor])
+    again = DistributedTransport(alone.urls, workers_per_engine=1, rank=0, backend="gloo", timeout_s=60)
+    try:
+        assert again.move(iter(buckets), alone, rank=0) == 6 * (1 << 20)
+    finally:
+        again.close()
+    assert survivor.answers[-1]["load_s"] > 0 and again.phases["engine_receive_s"] > 0
+    loaded = survivor.worker.loaded[-1]
+    assert sorted(loaded) == [f"w{i}" for i in range(6)]
+    assert all(torch.equal(loaded[name], tensor) for bucket in buckets for name, tensor in bucket)
+    gc.collect()  # the survivor's old member of the group is not destroyed while its receive is pending: that waits
+    assert time.monotonic() - started < 20, (
+        "a thread waited on the old group"
+    )  # (in any thread) for the timeout
+    del trainer_member

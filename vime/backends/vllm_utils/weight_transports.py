@@ -6,8 +6,9 @@ move and the bytes already staged) and ``move`` (engines paused; returns the byt
 - ``disk``: rank 0 writes HF safetensors into ``<dir>/v<version>``, which the engines can read, while they still
   generate (then ``--custom-update-weight-post-write-path`` runs); every engine ``reload_weights`` from it, and
   the directory is deleted unless ``--update-weight-disk-keep-files``.
-- ``distributed``: rank 0 broadcasts each bucket, flattened into one byte buffer, over a weight process group
-  spanning it and every engine worker (NCCL on GPU, gloo on CPU); the workers load it
+- ``distributed``: rank 0 broadcasts each bucket, flattened into one byte buffer behind a small header (its layout),
+  over a weight process group spanning it and every engine worker (NCCL on GPU, gloo on CPU); each worker takes the
+  whole sync in one ``receive_weights_stream`` call, loading bucket k while bucket k+1 arrives
   (``worker_extension.VimeWorkerExtension``).
 - ``tensor`` (colocated GPU runs): the training rank on each engine worker's GPU flattens each bucket into a
   staging buffer shared once per sync through CUDA IPC; the worker loads straight from it.
@@ -60,9 +61,10 @@ class Transport(Protocol):
 class MovePhases(Counter):
     """Seconds of one ``move`` by phase. On the sending rank: ``move_s`` (all of it), ``gather_s`` (producing the
     next bucket: the gathers over training ranks), ``pack_s`` (flattening it into a staging buffer, and its checksums),
-    ``engine_wait_s`` (waiting for the engines to finish the previous bucket) and ``send_wait_s`` (waiting for a
-    staging buffer's broadcast to leave it). From the engine workers' own answers, summed over buckets (the slowest
-    worker of each): ``engine_receive_s`` (``distributed``) and ``engine_load_s``."""
+    ``engine_wait_s`` (waiting for the engines' answers: to the previous bucket with ``tensor``, at the end of the
+    sync with ``distributed``) and ``send_wait_s`` (waiting for a staging buffer's broadcast to leave it). From the engine workers' own answers, summed over the answers (the
+    slowest worker of each; ``distributed`` answers once per sync, ``tensor`` once per bucket): ``engine_receive_s``
+    (``distributed``: the time the workers waited for data, headers included) and ``engine_load_s``."""
 
     def timed(self, phase: str, items: Iterable) -> Iterator:
         """``items``, adding the time each ``next()`` takes to ``phase``."""
@@ -89,7 +91,7 @@ class MovePhases(Counter):
     def wait(self, phase: str, future: concurrent.futures.Future, urls: Sequence[str]) -> list:
         """``future.result()`` (the answers of the engines at ``urls`` to one bucket), adding the wait to ``phase``
         and the slowest worker's reported ``receive_s``/``load_s`` to ``engine_receive_s``/``engine_load_s``.
-        Raises :class:`BucketRejected` if a worker rejected the bucket."""
+        Raises :class:`BucketRejected` if a worker rejected the bucket, ``RuntimeError`` if one left the sync."""
         started = time.perf_counter()
         try:
             answers = future.result()
@@ -101,6 +103,8 @@ class MovePhases(Counter):
                     raise BucketRejected(
                         f"engine {url} (worker {worker}) rejected a bucket: {report['rejected']}"
                     )
+                if isinstance(report, dict) and report.get("aborted"):
+                    raise RuntimeError(f"engine {url} (worker {worker}) left the sync: {report['aborted']}")
         reports = [r for engine in answers or [] for r in engine or [] if isinstance(r, dict)]
         for key in ("receive_s", "load_s"):
             if values := [r[key] for r in reports if key in r]:
@@ -211,8 +215,9 @@ def _address_towards(host: str) -> str:
 class DistributedTransport:
     """``distributed``: rank 0's end of one weight group with every worker of every engine (engine ``i``'s workers
     are ranks ``1 + i * workers_per_engine + worker rank``), built at the first sync and reused. If a move fails
-    (e.g. an engine died) the group may be left mid-collective: it is closed, which also frees the workers of the
-    live engines still waiting in it, and the next sync builds a new one."""
+    (e.g. an engine died) the group may be left mid-collective: it is closed, which tells the workers of the live
+    engines to leave the sync (``WeightGroup.close``; they drop what they staged of it and answer ``aborted``), and
+    the next sync builds a new one."""
 
     stacks_experts = True
 
@@ -264,6 +269,11 @@ class DistributedTransport:
             self.group = join.result()
 
     def move(self, buckets: Iterator[Bucket], engines: EngineGroup | None, rank: int) -> int:
+        """One ``receive_weights_stream`` call per engine for the whole sync; per bucket a header and the flattened
+        bucket are broadcast (asynchronous), the next bucket gathered and packed meanwhile into the other staging
+        buffer, and the engines' answers read at the end. While waiting for a broadcast to leave a buffer the
+        engines' answers are watched, so an engine that failed mid-sync fails the move at once; the other engines
+        then leave their call too (:meth:`close`)."""
         if engines is None:
             return _drain(buckets)
         if self.group is None:
@@ -271,43 +281,34 @@ class DistributedTransport:
         phases = self.phases = MovePhases()
         started = time.perf_counter()
         staging = _PingPong(self.group.device)
-        sent: list[dist.Work | None] = [None, None]
-        loading: concurrent.futures.Future | None = None
+        sent: list[list[dist.Work]] = [[], []]
         nbytes = 0
+        loading = engines.submit(lambda engine: engine.collective_rpc("receive_weights_stream"))
         try:
-            for k, (bucket, final) in enumerate(with_last_flag(phases.timed("gather_s", buckets))):
-                if sent[k % 2] is not None:
-                    with phases.span("send_wait_s"):
-                        sent[k % 2].wait()  # the broadcast of bucket k-2 has left this buffer
+            stream = with_last_flag(phases.timed("gather_s", buckets))
+            for k, (bucket, final) in enumerate(_at_least_one(stream)):
+                with phases.span("send_wait_s"):
+                    _wait_sent(sent[k % 2], loading)  # the broadcast of bucket k-2 has left this buffer
                 with phases.span("pack_s"):
                     buffer, layout, _ = staging.fill(k, bucket)
-                if loading is not None:
-                    phases.wait("engine_wait_s", loading, engines.urls)  # bucket k-1 is in every engine
-                kwargs = {"layout": layout, "nbytes": buffer.numel(), "final": final}
-                # the engines must be receiving before the broadcast can finish: the calls start first, then the
-                # broadcast is queued (asynchronous), and the next bucket is gathered meanwhile
-                loading = engines.submit(
-                    lambda engine, kwargs=kwargs: engine.collective_rpc(
-                        "update_weights_from_distributed", kwargs=kwargs
-                    )
-                )
-                sent[k % 2] = self.group.broadcast(buffer)
+                header = {"layout": layout, "nbytes": buffer.numel(), "final": final}
+                sent[k % 2] = [*self.group.send_header(header), self.group.broadcast(buffer)]
                 nbytes += buffer.numel()
-            if loading is not None:
-                phases.wait("engine_wait_s", loading, engines.urls)
-            for work in sent:
-                if work is not None:
-                    work.wait()
-        except BaseException:
-            self.close()  # possibly mid-collective: the next sync builds a new group
+            with phases.span("send_wait_s"):
+                for works in sent:
+                    _wait_sent(works, loading)
+            phases.wait("engine_wait_s", loading, engines.urls)
+        except BaseException as error:
+            # possibly mid-collective: the engines leave the sync, and the next one builds a new group
+            self.close(f"the trainer's move failed: {error!r}")
             raise
         phases["move_s"] = time.perf_counter() - started
         return nbytes
 
-    def close(self) -> None:
+    def close(self, reason: str = "the engine set changed") -> None:
         if self.group is not None:
             group, self.group = self.group, None
-            group.close()
+            group.close(reason)
 
 
 class TensorTransport:
@@ -402,6 +403,37 @@ class _PingPong:
         if new:
             self.buffers[k % 2] = buffer
         return buffer, layout, new
+
+
+def _at_least_one(stream: Iterator[tuple[Bucket, bool]]) -> Iterator[tuple[Bucket, bool]]:
+    """``stream``, or one empty final bucket if it has none (the engines' receive loop ends on a final one)."""
+    empty = True
+    for item in stream:
+        empty = False
+        yield item
+    if empty:
+        yield [], True
+
+
+def _wait_sent(works: list[dist.Work], answers: concurrent.futures.Future) -> None:
+    """Wait until ``works`` (broadcasts from this rank) have ended, raising the engines' error if their answers
+    (``answers``) come first with one: a receiver that failed would otherwise leave the broadcast waiting until the
+    group's timeout."""
+    while not all(work.is_completed() for work in works):
+        if answers.done() and answers.exception() is not None:
+            raise answers.exception()
+        time.sleep(0.0002)
+    try:
+        for work in works:
+            work.wait()
+    except Exception as broadcast_error:  # a receiver went away: its engine's answer says which and why
+        try:
+            answers.result(timeout=10)
+        except concurrent.futures.TimeoutError:
+            pass
+        except Exception as engine_error:
+            raise engine_error from broadcast_error
+        raise
 
 
 def _wait(

@@ -19,7 +19,7 @@ import logging
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -38,23 +38,85 @@ STORE_PREFIX = "vime_weight_sync"
 SYNC_TOKEN_FILE = "vime_sync_token.txt"
 
 
+# A worker waiting on the weight group asks the store for rank 0's abort key this often (the sync it waits in may
+# have been given up: collectives whose peer died never end with NCCL, and end only at the group's timeout with gloo).
+ABORT_CHECK_S = 0.01
+ABORT_KEY = f"{STORE_PREFIX}/abort"
+
+
+class SyncAborted(RuntimeError):
+    """The sync a worker was receiving ended without it: rank 0 gave it up (its abort key in the store), rank 0 is
+    gone (the store with it), or a collective of the weight group failed."""
+
+
 @dataclass
 class WeightGroup:
-    """One member of the weight process group: the group, the store it was built on (kept alive with it) and
-    the device its tensors must live on."""
+    """One member of the weight process group: the group, the store it was built on (kept alive with it), the
+    device its tensors must live on, and the collectives it started that may not have ended yet."""
 
     store: dist.Store
     group: dist.ProcessGroup
     device: torch.device
+    works: list[dist.Work] = field(default_factory=list)
 
     def broadcast(self, tensor: torch.Tensor) -> dist.Work:
         """Start broadcasting ``tensor`` from rank 0 (in place on the receivers); ``.wait()`` the result."""
-        return self.group.broadcast(tensor, 0)
+        work = self.group.broadcast(tensor, 0)
+        self.works = [*(w for w in self.works if not w.is_completed()), work]
+        return work
 
-    def close(self) -> None:
-        """Leave the group, closing its connections: with gloo a member waiting in a collective with this one then
-        fails at once instead of timing out (``abort`` would leave it waiting)."""
-        self.group.shutdown()
+    def send_header(self, header: dict) -> list[dist.Work]:
+        """Rank 0: start broadcasting ``header`` (JSON) ahead of a bucket; keep the returned works until they end."""
+        body = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([body.numel()], dtype=torch.int64, device=self.device)
+        return [self.group.broadcast(size, 0), self.group.broadcast(body, 0)]
+
+    def receive_header(self) -> dict:
+        """The next header rank 0 sent with :meth:`send_header` (waits for it as :meth:`wait` does)."""
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self.wait(self.broadcast(size))
+        body = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.wait(self.broadcast(body))
+        return json.loads(body.cpu().numpy().tobytes())
+
+    def wait(self, work: dist.Work) -> None:
+        """Wait for ``work`` (a collective this worker takes part in) to end, asking the store every
+        ``ABORT_CHECK_S`` whether rank 0 gave the sync up: :class:`SyncAborted` then, when the store is gone, or when
+        the collective failed. A worker never waits on a sync that rank 0 gave up."""
+        checked = time.monotonic()
+        while not work.is_completed():
+            if time.monotonic() - checked > ABORT_CHECK_S:
+                try:
+                    aborted = self.store.check([ABORT_KEY])
+                except dist.DistError as exc:
+                    raise SyncAborted(
+                        f"the weight group's store (the trainer's rank 0) is gone: {exc}"
+                    ) from exc
+                if aborted:
+                    raise SyncAborted(f"the trainer gave the sync up: {self.store.get(ABORT_KEY).decode()}")
+                checked = time.monotonic()
+            time.sleep(0.0002)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise SyncAborted(f"a collective of the weight group failed: {exc}") from exc
+
+    def idle(self) -> bool:
+        """Whether every collective this member started has ended."""
+        return all(work.is_completed() for work in self.works)
+
+    def abort(self) -> None:
+        """Abort this member's communicator: with NCCL its pending kernels end (a receive whose sender gave up never
+        would); with gloo a pending receive still ends only when rank 0 drops its member or at the timeout."""
+        self.group.abort()
+
+    def close(self, reason: str) -> None:
+        """Rank 0, before dropping its member: workers waiting in a sync are told to leave it (the store's abort key,
+        with ``reason``: :meth:`wait`), then the communicator is aborted (NCCL: ``shutdown`` would wait for pending
+        kernels, forever if a member died). With gloo it is the member's destruction that closes its connections,
+        failing the workers' pending receives (torch 2.13: neither ``abort`` nor ``shutdown`` does)."""
+        self.store.set(ABORT_KEY, reason)
+        self.abort()
 
 
 def create_weight_group(
@@ -116,6 +178,7 @@ class VimeWorkerExtension:
         timeout_s: float = 600.0,
     ) -> None:
         """Join the trainer's weight group as rank ``rank_offset + self.rank``; blocks until all ranks join."""
+        self._vime_drop_retired_groups()
         self._vime_weight_group = create_weight_group(
             master_address,
             int(master_port),
@@ -125,22 +188,75 @@ class VimeWorkerExtension:
             timeout_s,
         )
 
-    def update_weights_from_distributed(self, layout: list[dict], nbytes: int, final: bool = True) -> dict:
-        """Receive one bucket, flattened into ``nbytes`` bytes (``layout``: ``weight_buckets.bucket_layout``),
-        broadcast from rank 0, and load it. Returns this worker's ``receive_s`` and ``load_s``, or ``rejected``
-        (see :meth:`_vime_check_and_load`)."""
+    def receive_weights_stream(self) -> dict:
+        """``distributed``: receive and load every bucket of one sync, in one call. Rank 0 broadcasts per bucket a
+        header (``layout``: ``weight_buckets.bucket_layout``, ``nbytes``, ``final``) and the bucket flattened into
+        ``nbytes`` bytes; bucket k is loaded while bucket k+1 arrives (two buffers in flight). Returns this worker's
+        ``receive_s`` (waiting for data, headers included) and ``load_s``; or ``rejected`` (see
+        :meth:`_vime_check_and_load`; the later buckets of the sync are then received and dropped); or ``aborted``
+        when the sync ended without this worker (:class:`SyncAborted`: e.g. another engine died and rank 0 gave the
+        sync up). Then the buckets staged so far are dropped (on GPU those loaded stay: the retry or the next sync
+        sends every bucket again) and so is the group, whose collectives may still be pending: the next sync joins a
+        new one."""
         group = self._vime_weight_group
         if group is None:
-            raise RuntimeError("update_weights_from_distributed before init_weight_update_group")
+            raise RuntimeError("receive_weights_stream before init_weight_update_group")
+        try:
+            return self._vime_receive_stream(group)
+        except BaseException as exc:
+            self.__dict__.pop("_vime_staged_weights", None)
+            self._vime_weight_group = None
+            group.abort()
+            self.__dict__.setdefault("_vime_retired_groups", []).append(group)
+            if not isinstance(exc, SyncAborted):
+                raise
+            logger.warning("vime weight sync: left the sync: %s", str(exc))
+            return {"aborted": str(exc)}
+
+    def _vime_receive_stream(self, group: WeightGroup) -> dict:
+        stats: Counter = Counter()
+        rejected: str | None = None
+        pending = None
+        final = False
+        while not final:
+            started = time.perf_counter()
+            header = group.receive_header()
+            buffer = torch.empty(int(header["nbytes"]), dtype=torch.uint8, device=group.device)
+            arriving = (group.broadcast(buffer), buffer, header)
+            stats["receive_s"] += time.perf_counter() - started
+            if pending is not None:
+                rejected = self._vime_receive_and_load(group, *pending, stats, rejected)
+            pending, final = arriving, bool(header["final"])
+        rejected = self._vime_receive_and_load(group, *pending, stats, rejected)
+        return {"rejected": rejected} if rejected else dict(stats)
+
+    def _vime_receive_and_load(
+        self,
+        group: WeightGroup,
+        work: dist.Work,
+        buffer: torch.Tensor,
+        header: dict,
+        stats: Counter,
+        rejected: str | None,
+    ) -> str | None:
+        """Wait for ``buffer`` to arrive, then check and load it unless an earlier bucket of the sync was
+        ``rejected``; the sync's rejection so far."""
         started = time.perf_counter()
-        buffer = torch.empty(int(nbytes), dtype=torch.uint8, device=group.device)
-        group.broadcast(buffer).wait()
+        group.wait(work)
         if buffer.is_cuda:
-            torch.cuda.synchronize(buffer.device)  # received, not only queued
+            torch.cuda.current_stream(buffer.device).synchronize()  # received, not only queued
         received = time.perf_counter()
-        if rejected := self._vime_check_and_load(buffer, layout, final):
-            return {"rejected": rejected}
-        return {"receive_s": received - started, "load_s": time.perf_counter() - received}
+        stats["receive_s"] += received - started
+        if rejected is None:
+            rejected = self._vime_check_and_load(buffer, header["layout"], bool(header["final"]))
+            stats["load_s"] += time.perf_counter() - received
+        return rejected
+
+    def _vime_drop_retired_groups(self) -> None:
+        """Drop the groups of syncs this worker left (:meth:`receive_weights_stream`) whose collectives have ended:
+        ProcessGroupGloo's destructor would wait for a pending receive (up to the group's timeout)."""
+        retired = self.__dict__.get("_vime_retired_groups", [])
+        retired[:] = [group for group in retired if not group.idle()]
 
     def update_weights_from_ipc(self, buffers: list[dict], final: bool = True) -> dict:
         """``tensor`` transport: map this worker's entry of ``buffers`` (``{"handle", "layout"}``, one per engine
