@@ -62,9 +62,10 @@ class MovePhases(Counter):
     """Seconds of one ``move`` by phase. On the sending rank: ``move_s`` (all of it), ``gather_s`` (producing the
     next bucket: the gathers over training ranks), ``pack_s`` (flattening it into a staging buffer, and its checksums),
     ``engine_wait_s`` (waiting for the engines' answers: to the previous bucket with ``tensor``, at the end of the
-    sync with ``distributed``) and ``send_wait_s`` (waiting for a staging buffer's broadcast to leave it). From the engine workers' own answers, summed over the answers (the
-    slowest worker of each; ``distributed`` answers once per sync, ``tensor`` once per bucket): ``engine_receive_s``
-    (``distributed``: the time the workers waited for data, headers included) and ``engine_load_s``."""
+    sync with ``distributed``) and ``send_wait_s`` (waiting for a staging buffer's broadcast to leave it). From the
+    engine workers' own answers, summed over the answers (the slowest worker of each; ``distributed`` answers once
+    per sync, ``tensor`` once per bucket): ``engine_receive_s`` (``distributed``: the time the workers waited for
+    data, headers included) and ``engine_load_s``."""
 
     def timed(self, phase: str, items: Iterable) -> Iterator:
         """``items``, adding the time each ``next()`` takes to ``phase``."""
