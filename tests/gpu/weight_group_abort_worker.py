@@ -1,16 +1,16 @@
-"""One rank of ``test_weight_group_abort_gpu.py``: rank 0 is the trainer's sender, ranks 1 and 2 are engine workers
+"""One rank of ``test_weight_group_abort_gpu.py``: rank 0 is the trainer's sender, the others engine workers
 (the real ``VimeWorkerExtension.receive_weights_stream``, with loading replaced by a record of what arrived).
 
-Three syncs: (1) all three ranks, whole; (2) rank 2 dies (``os._exit``) at its first load, rank 0 waits until the
-test says rank 2 is gone, then gives the sync up (``WeightGroup.close``); (3) ranks 0 and 1 in a new group. Every
-rank prints one JSON line per event on stdout; rank 0 first prints the two stores' ports."""
+Three syncs: (1) whole; (2) rank 0 sends two of its three buckets, waits until both receivers have loaded the first,
+then gives the sync up (``WeightGroup.close``, as ``DistributedTransport.move`` does when its move fails), leaving the
+receivers waiting in a collective that will never end; (3) whole, in a new group. Every rank prints one JSON line per
+event on stdout; rank 0 first prints the two stores' ports."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +24,6 @@ from vime.utils.weight_buckets import add_checksums, flatten_bucket
 BUCKETS = 3
 # large enough that no receiver can end a sync whose other receiver is dead (NCCL's FIFOs are smaller)
 BUCKET_MB = 64
-DIED = 17
 
 
 def report(**event) -> None:
@@ -52,10 +51,11 @@ def fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> list[list[str]]:
     ]
 
 
-def send(group, sync: int) -> tuple[list, list]:
-    """Start broadcasting sync ``sync`` (header + flat bucket per bucket); the works and the buffers they read."""
+def send(group, sync: int, buckets: int = BUCKETS) -> tuple[list, list]:
+    """Start broadcasting the first ``buckets`` of sync ``sync`` (header + flat bucket per bucket); the works and the
+    buffers they read."""
     works, buffers = [], []
-    for k, bucket in enumerate(sync_tensors(sync, group.device)):
+    for k, bucket in enumerate(sync_tensors(sync, group.device)[:buckets]):
         buffer, layout = flatten_bucket(bucket, group.device)
         add_checksums(buffer, layout)
         works += [*group.send_header({"layout": layout, "nbytes": buffer.numel(), "final": k == BUCKETS - 1})]
@@ -68,7 +68,7 @@ def run_sender(args: argparse.Namespace) -> None:
     listeners = [listen_socket("127.0.0.1") for _ in range(2)]
     report(ports=[sock.getsockname()[1] for sock in listeners])
     group = create_weight_group(
-        "127.0.0.1", listeners[0].getsockname()[1], 0, 3, args.backend, 120, listeners[0]
+        "127.0.0.1", listeners[0].getsockname()[1], 0, args.world_size, args.backend, 120, listeners[0]
     )
     works, buffers = send(group, 1)
     for work in works:
@@ -76,21 +76,20 @@ def run_sender(args: argparse.Namespace) -> None:
     torch.cuda.synchronize() if group.device.type == "cuda" else None
     report(event="sent", sync=1, expected=[fingerprint(b) for b in sync_tensors(1, torch.device("cpu"))])
 
-    works, buffers = send(group, 2)
-    gone = Path(args.rank2_gone)
-    while not gone.exists():
+    works, buffers = send(group, 2, buckets=2)  # not the final one: the receivers wait for a third
+    while not all(Path(f"loaded.2.{rank}").exists() for rank in range(1, args.world_size)):
         time.sleep(0.01)
-    completed = all(work.is_completed() for work in works)
+    time.sleep(0.5)  # bucket 1 arrives, then the receivers wait for bucket 2's header
     key_set = time.time()
     started = time.perf_counter()
-    group.close("rank 2 died mid-sync")
-    report(
-        event="closed", sync=2, completed=completed, key_set=key_set, close_s=time.perf_counter() - started
-    )
+    group.close("the trainer's move failed")
+    close_s = time.perf_counter() - started
+    first = [fingerprint(sync_tensors(2, torch.device("cpu"))[0])]
+    report(event="closed", sync=2, key_set=key_set, close_s=close_s, expected=first)
     del works, buffers
 
     group = create_weight_group(
-        "127.0.0.1", listeners[1].getsockname()[1], 0, 2, args.backend, 120, listeners[1]
+        "127.0.0.1", listeners[1].getsockname()[1], 0, args.world_size, args.backend, 120, listeners[1]
     )
     works, buffers = send(group, 3)
     for work in works:
@@ -104,15 +103,14 @@ class RecordingWorker(VimeWorkerExtension):
 
     rank = 0  # the rank offset passed to init_weight_update_group is the whole rank
 
-    def __init__(self, die_in_sync: int | None):
-        self.die_in_sync = die_in_sync
+    def __init__(self, rank: int):
+        self.global_rank = rank
         self.sync = 0
         self.loaded: list[list] = []
 
     def _vime_load(self, weights: list[tuple[str, torch.Tensor]], final: bool) -> None:
-        if self.sync == self.die_in_sync:
-            os._exit(DIED)
         self.loaded.append(fingerprint(weights))
+        Path(f"loaded.{self.sync}.{self.global_rank}").touch()  # rank 0 waits for these in sync 2
 
     def receive(self, sync: int) -> None:
         self.sync, self.loaded = sync, []
@@ -123,11 +121,11 @@ class RecordingWorker(VimeWorkerExtension):
 def run_receiver(args: argparse.Namespace) -> None:
     if args.backend == "nccl":
         torch.cuda.set_device(0)
-    worker = RecordingWorker(die_in_sync=2 if args.rank == 2 else None)
-    worker.init_weight_update_group("127.0.0.1", args.ports[0], args.rank, 3, args.backend, 120)
+    worker = RecordingWorker(args.rank)
+    worker.init_weight_update_group("127.0.0.1", args.ports[0], args.rank, args.world_size, args.backend, 120)
     worker.receive(1)
     worker.receive(2)
-    worker.init_weight_update_group("127.0.0.1", args.ports[1], args.rank, 2, args.backend, 120)
+    worker.init_weight_update_group("127.0.0.1", args.ports[1], args.rank, args.world_size, args.backend, 120)
     worker.receive(3)
 
 
@@ -135,8 +133,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--backend", choices=["gloo", "nccl"], required=True)
+    parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--ports", type=int, nargs=2)
-    parser.add_argument("--rank2-gone", help="rank 0: a file the test creates once rank 2 has exited")
     args = parser.parse_args()
     run_sender(args) if args.rank == 0 else run_receiver(args)
     sys.stdout.flush()
