@@ -101,6 +101,33 @@ def test_flashinfer_allreduce_stays_off_multicast_where_the_host_turns_it_off(ho
     assert env.get("VLLM_FLASHINFER_ALLREDUCE_BACKEND") == expected
 
 
+@pytest.mark.parametrize(
+    ("flags", "host_env", "expected"),
+    [
+        (["--vllm-dtype", "float32"], {}, "ieee"),
+        (["--vllm-dtype=float"], {}, "ieee"),
+        (
+            ["--vllm-dtype", "float32", "--vllm-dtype", "bfloat16"],
+            {},
+            None,
+        ),  # the last one counts, as for vLLM
+        (["--vllm-dtype", "bfloat16"], {}, None),
+        ([], {}, None),
+        (["--vllm-dtype", "float32"], {"TRITON_F32_DEFAULT": "tf32"}, "tf32"),  # the user's setting stands
+    ],
+)
+def test_a_float32_engine_computes_triton_dots_in_float32(monkeypatch, flags, host_env, expected):
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    monkeypatch.setenv("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "MY_VAR")
+    for key, value in host_env.items():
+        monkeypatch.setenv(key, value)
+    env = VLLMEngine(_args(*flags)).env
+    assert env.get("TRITON_F32_DEFAULT") == expected
+    # vLLM's Ray executor copies only the variables it is told to into the workers it starts
+    copied = env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"].split(",")
+    assert copied == (["MY_VAR", "TRITON_F32_DEFAULT"] if expected else ["MY_VAR"])
+
+
 def test_a_multicast_allreduce_backend_is_refused_where_the_host_turns_multicast_off():
     base = {"NCCL_NVLS_ENABLE": "0", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "mnnvl"}
     with pytest.raises(ValueError, match=r"mnnvl .*NCCL_NVLS_ENABLE=0.*fuse_allreduce_rms"):

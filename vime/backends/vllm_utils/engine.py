@@ -198,6 +198,29 @@ def build_engine_env(args: argparse.Namespace, base_env: Mapping[str, str] | Non
     return env
 
 
+# Triton's dot products take float32 inputs as TF32 on NVIDIA GPUs unless told otherwise; vLLM's Triton attention
+# (its backend for float32 on CUDA) then scores ~1e-4 in log-prob away from a float32 trainer.
+TRITON_F32 = "TRITON_F32_DEFAULT"
+RAY_EXTRA_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+
+
+def _keep_float32_exact(env: dict[str, str], command: Sequence[str]) -> None:
+    """An engine that serves float32 (the last ``--dtype`` of its ``command``) computes in float32: Triton's dots in
+    IEEE float32 (``TRITON_F32_DEFAULT=ieee`` unless set; vLLM keeps torch's own float32 matmuls at "highest"), also
+    in the workers vLLM's Ray executor starts (which get only the variables it is told to copy)."""
+    dtype = None
+    for token, following in zip(command, [*command[1:], None], strict=True):
+        if token == "--dtype":
+            dtype = following
+        elif token.startswith("--dtype="):
+            dtype = token.split("=", 1)[1]
+    if dtype not in ("float32", "float"):
+        return
+    env.setdefault(TRITON_F32, "ieee")
+    copied = [name for name in env.get(RAY_EXTRA_ENV, "").split(",") if name]
+    env[RAY_EXTRA_ENV] = ",".join(dict.fromkeys([*copied, TRITON_F32]))
+
+
 def private_port(host: str, port: int | None) -> int:
     """``port`` (or a free one) on ``host``, after refusing a public host (checked before binding to it)."""
     check_private_host(host)
@@ -384,10 +407,12 @@ class VLLMEngine(ServerProcess):
         port = private_port(host, port)
         command = engine_command(args, host, port, model_path, extra_args, spec)
         tensor_parallel = spec.num_gpus if spec is not None else args.rollout_num_gpus_per_engine
+        engine_env = build_engine_env(args)
+        _keep_float32_exact(engine_env, command)
         super().__init__(
             name="vLLM engine",
             command=command,
-            env={**build_engine_env(args), **cpu_bind_env(cpu_share, tensor_parallel), **(env or {})},
+            env={**engine_env, **cpu_bind_env(cpu_share, tensor_parallel), **(env or {})},
             host=host,
             port=port,
             log_path=log_path,
