@@ -41,7 +41,12 @@ from safetensors.torch import save_file
 
 from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.cuda_ipc import share_cuda_buffer
-from vime.backends.vllm_utils.worker_extension import SYNC_TOKEN_FILE, WeightGroup, create_weight_group
+from vime.backends.vllm_utils.worker_extension import (
+    SYNC_TOKEN_FILE,
+    WeightGroup,
+    create_weight_group,
+    poll_works,
+)
 from vime.utils.net import listen_socket
 from vime.utils.weight_buckets import Bucket, add_checksums, flatten_bucket, with_last_flag
 
@@ -420,10 +425,12 @@ def _wait_sent(works: list[dist.Work], answers: concurrent.futures.Future) -> No
     """Wait until ``works`` (broadcasts from this rank) have ended, raising the engines' error if their answers
     (``answers``) come first with one: a receiver that failed would otherwise leave the broadcast waiting until the
     group's timeout."""
-    while not all(work.is_completed() for work in works):
+
+    def raise_engines_error() -> None:
         if answers.done() and answers.exception() is not None:
             raise answers.exception()
-        time.sleep(0.0002)
+
+    poll_works(works, raise_engines_error, 0.0)
     try:
         for work in works:
             work.wait()

@@ -19,6 +19,7 @@ import logging
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -39,7 +40,7 @@ SYNC_TOKEN_FILE = "vime_sync_token.txt"
 
 
 # A worker waiting on the weight group asks the store for rank 0's abort key this often (the sync it waits in may
-# have been given up: collectives whose peer died never end with NCCL, and end only at the group's timeout with gloo).
+# have been given up).
 ABORT_CHECK_S = 0.01
 ABORT_KEY = f"{STORE_PREFIX}/abort"
 
@@ -47,6 +48,18 @@ ABORT_KEY = f"{STORE_PREFIX}/abort"
 class SyncAborted(RuntimeError):
     """The sync a worker was receiving ended without it: rank 0 gave it up (its abort key in the store), rank 0 is
     gone (the store with it), or a collective of the weight group failed."""
+
+
+def poll_works(works: Sequence[dist.Work], check: Callable[[], None], check_every_s: float) -> None:
+    """Return once every one of ``works`` has ended, calling ``check`` (it raises to give the wait up) whenever
+    ``check_every_s`` have passed since the last call. Polled, not a blocking ``wait``: a collective whose peer died
+    never ends with NCCL, and only at the group's timeout with gloo."""
+    checked = time.monotonic()
+    while not all(work.is_completed() for work in works):
+        if time.monotonic() - checked >= check_every_s:
+            check()
+            checked = time.monotonic()
+        time.sleep(0.0002)
 
 
 @dataclass
@@ -83,23 +96,19 @@ class WeightGroup:
         """Wait for ``work`` (a collective this worker takes part in) to end, asking the store every
         ``ABORT_CHECK_S`` whether rank 0 gave the sync up: :class:`SyncAborted` then, when the store is gone, or when
         the collective failed. A worker never waits on a sync that rank 0 gave up."""
-        checked = time.monotonic()
-        while not work.is_completed():
-            if time.monotonic() - checked > ABORT_CHECK_S:
-                try:
-                    aborted = self.store.check([ABORT_KEY])
-                except dist.DistError as exc:
-                    raise SyncAborted(
-                        f"the weight group's store (the trainer's rank 0) is gone: {exc}"
-                    ) from exc
-                if aborted:
-                    raise SyncAborted(f"the trainer gave the sync up: {self.store.get(ABORT_KEY).decode()}")
-                checked = time.monotonic()
-            time.sleep(0.0002)
+        poll_works([work], self._raise_if_given_up, ABORT_CHECK_S)
         try:
             work.wait()
         except RuntimeError as exc:
             raise SyncAborted(f"a collective of the weight group failed: {exc}") from exc
+
+    def _raise_if_given_up(self) -> None:
+        try:
+            aborted = self.store.check([ABORT_KEY])
+        except dist.DistError as exc:
+            raise SyncAborted(f"the weight group's store (the trainer's rank 0) is gone: {exc}") from exc
+        if aborted:
+            raise SyncAborted(f"the trainer gave the sync up: {self.store.get(ABORT_KEY).decode()}")
 
     def idle(self) -> bool:
         """Whether every collective this member started has ended."""
