@@ -64,17 +64,28 @@ def send(group, sync: int, buckets: int = BUCKETS) -> tuple[list, list]:
     return works, buffers
 
 
-def run_sender(args: argparse.Namespace) -> None:
-    listeners = [listen_socket("127.0.0.1") for _ in range(2)]
-    report(ports=[sock.getsockname()[1] for sock in listeners])
-    group = create_weight_group(
-        "127.0.0.1", listeners[0].getsockname()[1], 0, args.world_size, args.backend, 120, listeners[0]
-    )
-    works, buffers = send(group, 1)
+def join(args: argparse.Namespace, listener) -> object:
+    """Rank 0's member of a new weight group whose store listens on ``listener``."""
+    port = listener.getsockname()[1]
+    return create_weight_group("127.0.0.1", port, 0, args.world_size, args.backend, 120, listener)
+
+
+def send_whole(group, sync: int) -> None:
+    """Sync ``sync`` from start to end; then report what the receivers must have loaded."""
+    works, _buffers = send(group, sync)
     for work in works:
         work.wait()
     torch.cuda.synchronize() if group.device.type == "cuda" else None
-    report(event="sent", sync=1, expected=[fingerprint(b) for b in sync_tensors(1, torch.device("cpu"))])
+    report(
+        event="sent", sync=sync, expected=[fingerprint(b) for b in sync_tensors(sync, torch.device("cpu"))]
+    )
+
+
+def run_sender(args: argparse.Namespace) -> None:
+    listeners = [listen_socket("127.0.0.1") for _ in range(2)]
+    report(ports=[sock.getsockname()[1] for sock in listeners])
+    group = join(args, listeners[0])
+    send_whole(group, 1)
 
     works, buffers = send(group, 2, buckets=2)  # not the final one: the receivers wait for a third
     while not all(Path(f"loaded.2.{rank}").exists() for rank in range(1, args.world_size)):
@@ -88,14 +99,7 @@ def run_sender(args: argparse.Namespace) -> None:
     report(event="closed", sync=2, key_set=key_set, close_s=close_s, expected=first)
     del works, buffers
 
-    group = create_weight_group(
-        "127.0.0.1", listeners[1].getsockname()[1], 0, args.world_size, args.backend, 120, listeners[1]
-    )
-    works, buffers = send(group, 3)
-    for work in works:
-        work.wait()
-    torch.cuda.synchronize() if group.device.type == "cuda" else None
-    report(event="sent", sync=3, expected=[fingerprint(b) for b in sync_tensors(3, torch.device("cpu"))])
+    send_whole(join(args, listeners[1]), 3)
 
 
 class RecordingWorker(VimeWorkerExtension):
