@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from vime.backends.vllm_utils.worker_extension import VimeWorkerExtension, create_weight_group
+from vime.backends.vllm_utils.worker_extension import VimeWorkerExtension, WeightGroup, create_weight_group
 from vime.utils.net import listen_socket
 from vime.utils.weight_buckets import add_checksums, flatten_bucket
 
@@ -51,7 +52,7 @@ def fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> list[list[str]]:
     ]
 
 
-def send(group, sync: int, buckets: int = BUCKETS) -> tuple[list, list]:
+def send(group: WeightGroup, sync: int, buckets: int = BUCKETS) -> tuple[list, list]:
     """Start broadcasting the first ``buckets`` of sync ``sync`` (header + flat bucket per bucket); the works and the
     buffers they read."""
     works, buffers = [], []
@@ -64,13 +65,13 @@ def send(group, sync: int, buckets: int = BUCKETS) -> tuple[list, list]:
     return works, buffers
 
 
-def join(args: argparse.Namespace, listener) -> object:
+def join(args: argparse.Namespace, listener: socket.socket) -> WeightGroup:
     """Rank 0's member of a new weight group whose store listens on ``listener``."""
     port = listener.getsockname()[1]
     return create_weight_group("127.0.0.1", port, 0, args.world_size, args.backend, 120, listener)
 
 
-def send_whole(group, sync: int) -> None:
+def send_whole(group: WeightGroup, sync: int) -> None:
     """Sync ``sync`` from start to end; then report what the receivers must have loaded."""
     works, _buffers = send(group, sync)
     for work in works:
