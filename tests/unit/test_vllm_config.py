@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -61,6 +63,21 @@ def test_policy_teacher_and_reward_models_resolve_with_defaults(tmp_path):
     assert teacher.role == "teacher" and not teacher.update_weights and teacher.model_path == "/ckpt/teacher"
     assert teacher.server_groups[0].override_args() == ["--max-model-len=4096", "--enforce-eager"]
     assert judge.role == "reward" and config.model("judge") is judge
+
+
+def test_engines_without_overrides_resolve_without_importing_vllm(tmp_path):
+    """Every run's rollout manager resolves its engines: with no overrides to check against vLLM's parser, it must
+    not build it (that imports vLLM, ~10 CPU-s per process, on the way to starting the engines)."""
+    config = tmp_path / "vllm.yaml"
+    config.write_text("vllm:\n  - name: actor\n    server_groups: [{num_gpus: 4}]\n")
+    resolve = (
+        "import sys, argparse; from vime.utils.vllm_config import default_config, engine_specs, load_vllm_config; "
+        f"args = argparse.Namespace(**{vars(cli())!r}); "
+        f"specs = engine_specs(default_config(args)) + engine_specs(load_vllm_config({str(config)!r}, args)); "
+        "assert all(spec.override_args == () for spec in specs), specs; print('vllm' in sys.modules)"
+    )
+    imported = subprocess.run([sys.executable, "-c", resolve], capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == "False"
 
 
 def test_slimes_inference_of_the_policy_from_the_model_path(tmp_path):
