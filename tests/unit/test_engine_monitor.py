@@ -6,6 +6,7 @@ run with its log."""
 from __future__ import annotations
 
 import argparse
+import threading
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,42 @@ def test_a_dead_engine_is_replaced_and_rejoins_after_a_sync(router):
     assert router == [("remove", "e1"), ("add", "new1.0")] and monitor.waiting_for_weights == set()
     monitor.ensure_healthy()  # all healthy: nothing happens
     assert len(made) == 1
+
+
+def test_dead_engines_are_replaced_side_by_side(router):
+    """Both engines of a double kill are replaced at once: each stop here waits until the other has begun (one
+    after another, the second engine's replacement began only once the first's had started, seconds later)."""
+    both_stopping = threading.Barrier(2, timeout=5)
+
+    class SlowToStop(FakeEngine):
+        def stop(self, grace_s: float = 10.0) -> None:
+            both_stopping.wait()
+            super().stop(grace_s)
+
+    engines = [SlowToStop("e0", alive=False), SlowToStop("e1", alive=False)]
+    monitor, made = _monitor(engines)
+    monitor.ensure_healthy()
+    assert len(made) == 2 and all(engine.started for engine in made) and set(monitor.starting) == {0, 1}
+
+
+def test_the_replacement_is_built_while_the_dead_engine_stops(router):
+    """make_engine (a Ray actor that takes seconds to come up) runs before the dead engine's stop, and the
+    replacement starts after it."""
+    events = []
+
+    class Recorded(FakeEngine):
+        def stop(self, grace_s: float = 10.0) -> None:
+            events.append(("stop", self.url))
+
+        def start(self):
+            events.append(("start", self.url))
+            return self
+
+    engines = [Recorded("e0", alive=False)]
+    monitor, _ = _monitor(engines)
+    monitor.make_engine = lambda slot: events.append(("make", slot)) or Recorded(f"new{slot}")
+    monitor.ensure_healthy()
+    assert events == [("make", 0), ("stop", "e0"), ("start", "new0")]
 
 
 def test_an_engine_that_keeps_dying_stops_the_run_with_its_log(router):
@@ -253,7 +290,8 @@ def test_a_replacement_the_router_will_not_take_waits_for_the_next_sync(router, 
     monitor.ensure_healthy()
     monitor.ensure_healthy()  # both replacements up, waiting for weights
     assert monitor.waiting_for_weights == {0, 1}
-    refused = {made[0].url}
+    new0, new1 = engines  # replaced side by side: made in either order
+    refused = {new0.url}
 
     async def register(router_url, urls):
         if set(urls) & refused:
@@ -262,11 +300,11 @@ def test_a_replacement_the_router_will_not_take_waits_for_the_next_sync(router, 
 
     monkeypatch.setattr(engine_monitor, "register_workers", register)
     monitor.admit_synced()  # the run goes on: the other one joins, the refused one waits
-    assert ("add", made[1].url) in router and ("add", made[0].url) not in router
+    assert ("add", new1.url) in router and ("add", new0.url) not in router
     assert monitor.waiting_for_weights == {0}
     refused.clear()
     monitor.admit_synced()  # the next sync admits it
-    assert ("add", made[0].url) in router and monitor.waiting_for_weights == set()
+    assert ("add", new0.url) in router and monitor.waiting_for_weights == set()
 
 
 def test_a_replacement_that_lost_its_port_starts_again_without_counting_a_restart(router):
