@@ -188,9 +188,10 @@ def test_replacements_are_stranded_only_when_no_engine_is_left_to_serve(router):
     assert monitor.stranded() == [] and monitor.waiting_for_weights == set()
 
 
-def test_a_restarted_router_gets_only_live_engines_and_the_dead_one_is_then_replaced(router, monkeypatch):
+def test_a_restarted_router_gets_only_the_engines_that_passed_the_check(router, monkeypatch):
     """A router and an engine fail together: vllm-router's POST /workers would wait for a hung engine to become
-    healthy, so the restarted router gets the live engines only; the hung one is replaced in the same check."""
+    healthy, so the restarted router gets the live engines only; the hung one is replaced in the same check, its
+    probe made once (a second one, for the router, held the router's restart for another timeout)."""
 
     class FakeRouter(FakeEngine):
         host, port = "127.0.0.1", 1
@@ -203,12 +204,21 @@ def test_a_restarted_router_gets_only_live_engines_and_the_dead_one_is_then_repl
             return 0.0
 
     monkeypatch.setattr(engine_monitor, "RouterProcess", lambda *a, **k: FakeRouter("router2"))
+    probed = []
+    down_reason = EngineMonitor._down_reason  # the fixture's
+
+    def counted(self, server, path="/health"):
+        probed.append(server.url)
+        return down_reason(self, server, path)
+
+    monkeypatch.setattr(EngineMonitor, "_down_reason", counted)
     engines = [FakeEngine("e0"), FakeEngine("e1", alive=False)]
     monitor, made = _monitor(engines)
     monitor.router = FakeRouter("router1", alive=False)
     monitor.ensure_healthy()
+    assert sorted(probed) == ["e0", "e1", "router1"]  # each once
     assert monitor.router.url == "router2" and monitor.router_restarts == 1
-    assert router == [("add", "e0"), ("remove", "e1")]  # the hung engine never reached the new router
+    assert router == [("remove", "e1"), ("add", "e0")]  # the hung engine never reached the new router
     assert engines[1] is made[0] and set(monitor.starting) == {1}
 
 

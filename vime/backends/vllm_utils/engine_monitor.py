@@ -169,19 +169,26 @@ class EngineMonitor:
             self._stop.wait(self.args.rollout_health_check_interval)
 
     def _check_all(self) -> None:
-        """The router, then every slot at once, each in its own thread: one slot's probe (up to
-        ``--rollout-health-check-timeout`` for a hung engine) or replacement (seconds: the dead engine stopped, a new
-        one launched) does not hold up another's (one after another, the second engine of a double kill was
-        replaced 9 s after the first on 2 cores)."""
+        """Every slot at once, each in its own thread, and the router's liveness beside them: one slot's probe (up
+        to ``--rollout-health-check-timeout`` for a hung engine) or replacement (seconds: the dead engine stopped, a
+        new one launched) does not hold up another's (one after another, the second engine of a double kill was
+        replaced 9 s after the first on 2 cores). A dead router is restarted after the slot checks, with the engines
+        that just passed them: a hung engine's probe is waited out once (probed again for the router, it held the
+        router's restart, and the rollout, for a second timeout)."""
         with self._replacing:
-            if self.router is not None and (reason := self._down_reason(self.router, "/liveness")):
+            with concurrent.futures.ThreadPoolExecutor(len(self.engines) + 1, "vime-engine-check") as pool:
+                router = self.router
+                router_down = (
+                    pool.submit(self._down_reason, router, "/liveness") if router is not None else None
+                )
+                list(pool.map(self._check_slot, range(len(self.engines))))
+            if router_down is None or self._stop.is_set() or self.fatal is not None:
+                return
+            if reason := router_down.result():
                 try:
                     self._restart_router(reason)
                 except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                     self.fatal = e
-                    return
-            with concurrent.futures.ThreadPoolExecutor(len(self.engines), "vime-engine-check") as pool:
-                list(pool.map(self._check_slot, range(len(self.engines))))
 
     def _check_slot(self, slot: int) -> None:
         if self._stop.is_set() or self.fatal is not None:
@@ -240,9 +247,9 @@ class EngineMonitor:
                 for i, e in enumerate(self.engines)
                 if i not in self.waiting_for_weights and i not in self.starting
             ]
-        # only live engines: vllm-router's POST /workers waits until a worker is healthy, so a hung one would hold the
-        # monitor; the engine check that follows replaces it
-        run(register_workers(self.router_url, [e.url for e in admitted if self._down_reason(e) is None]))
+        # each answered the check just made (a dead or hung one was replaced in it, and is starting): vllm-router's
+        # POST /workers waits until a worker is healthy, so a hung one would hold the monitor
+        run(register_workers(self.router_url, [e.url for e in admitted]))
         self.time_lost_s += time.monotonic() - started
 
     def _replace(self, slot: int, reason: str) -> None:
