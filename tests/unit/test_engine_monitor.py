@@ -6,6 +6,7 @@ run with its log."""
 from __future__ import annotations
 
 import argparse
+import threading
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,42 @@ def test_a_dead_engine_is_replaced_and_rejoins_after_a_sync(router):
     assert len(made) == 1
 
 
+def test_dead_engines_are_replaced_side_by_side(router):
+    """Both engines of a double kill are replaced at once: each stop here waits until the other has begun (one
+    after another, the second engine's replacement began only once the first's had started, seconds later)."""
+    both_stopping = threading.Barrier(2, timeout=5)
+
+    class SlowToStop(FakeEngine):
+        def stop(self, grace_s: float = 10.0) -> None:
+            both_stopping.wait()
+            super().stop(grace_s)
+
+    engines = [SlowToStop("e0", alive=False), SlowToStop("e1", alive=False)]
+    monitor, made = _monitor(engines)
+    monitor.ensure_healthy()
+    assert len(made) == 2 and all(engine.started for engine in made) and set(monitor.starting) == {0, 1}
+
+
+def test_the_replacement_is_built_while_the_dead_engine_stops(router):
+    """make_engine (a Ray actor that takes seconds to come up) runs before the dead engine's stop, and the
+    replacement starts after it."""
+    events = []
+
+    class Recorded(FakeEngine):
+        def stop(self, grace_s: float = 10.0) -> None:
+            events.append(("stop", self.url))
+
+        def start(self):
+            events.append(("start", self.url))
+            return self
+
+    engines = [Recorded("e0", alive=False)]
+    monitor, _ = _monitor(engines)
+    monitor.make_engine = lambda slot: events.append(("make", slot)) or Recorded(f"new{slot}")
+    monitor.ensure_healthy()
+    assert events == [("make", 0), ("stop", "e0"), ("start", "new0")]
+
+
 def test_an_engine_that_keeps_dying_stops_the_run_with_its_log(router):
     engines = [FakeEngine("e0", alive=False)]
     monitor, made = _monitor(engines, max_restarts=1)
@@ -151,9 +188,10 @@ def test_replacements_are_stranded_only_when_no_engine_is_left_to_serve(router):
     assert monitor.stranded() == [] and monitor.waiting_for_weights == set()
 
 
-def test_a_restarted_router_gets_only_live_engines_and_the_dead_one_is_then_replaced(router, monkeypatch):
+def test_a_restarted_router_gets_only_the_engines_that_passed_the_check(router, monkeypatch):
     """A router and an engine fail together: vllm-router's POST /workers would wait for a hung engine to become
-    healthy, so the restarted router gets the live engines only; the hung one is replaced in the same check."""
+    healthy, so the restarted router gets the live engines only; the hung one is replaced in the same check, its
+    probe made once (a second one, for the router, held the router's restart for another timeout)."""
 
     class FakeRouter(FakeEngine):
         host, port = "127.0.0.1", 1
@@ -166,12 +204,21 @@ def test_a_restarted_router_gets_only_live_engines_and_the_dead_one_is_then_repl
             return 0.0
 
     monkeypatch.setattr(engine_monitor, "RouterProcess", lambda *a, **k: FakeRouter("router2"))
+    probed = []
+    down_reason = EngineMonitor._down_reason  # the fixture's
+
+    def counted(self, server, path="/health"):
+        probed.append(server.url)
+        return down_reason(self, server, path)
+
+    monkeypatch.setattr(EngineMonitor, "_down_reason", counted)
     engines = [FakeEngine("e0"), FakeEngine("e1", alive=False)]
     monitor, made = _monitor(engines)
     monitor.router = FakeRouter("router1", alive=False)
     monitor.ensure_healthy()
+    assert sorted(probed) == ["e0", "e1", "router1"]  # each once
     assert monitor.router.url == "router2" and monitor.router_restarts == 1
-    assert router == [("add", "e0"), ("remove", "e1")]  # the hung engine never reached the new router
+    assert router == [("remove", "e1"), ("add", "e0")]  # the hung engine never reached the new router
     assert engines[1] is made[0] and set(monitor.starting) == {1}
 
 
@@ -253,7 +300,8 @@ def test_a_replacement_the_router_will_not_take_waits_for_the_next_sync(router, 
     monitor.ensure_healthy()
     monitor.ensure_healthy()  # both replacements up, waiting for weights
     assert monitor.waiting_for_weights == {0, 1}
-    refused = {made[0].url}
+    new0, new1 = engines  # replaced side by side: made in either order
+    refused = {new0.url}
 
     async def register(router_url, urls):
         if set(urls) & refused:
@@ -262,11 +310,11 @@ def test_a_replacement_the_router_will_not_take_waits_for_the_next_sync(router, 
 
     monkeypatch.setattr(engine_monitor, "register_workers", register)
     monitor.admit_synced()  # the run goes on: the other one joins, the refused one waits
-    assert ("add", made[1].url) in router and ("add", made[0].url) not in router
+    assert ("add", new1.url) in router and ("add", new0.url) not in router
     assert monitor.waiting_for_weights == {0}
     refused.clear()
     monitor.admit_synced()  # the next sync admits it
-    assert ("add", made[0].url) in router and monitor.waiting_for_weights == set()
+    assert ("add", new0.url) in router and monitor.waiting_for_weights == set()
 
 
 def test_a_replacement_that_lost_its_port_starts_again_without_counting_a_restart(router):

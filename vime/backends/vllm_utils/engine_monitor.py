@@ -21,6 +21,7 @@ that vime started and that dies is restarted on its address with every admitted 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -168,25 +169,37 @@ class EngineMonitor:
             self._stop.wait(self.args.rollout_health_check_interval)
 
     def _check_all(self) -> None:
+        """Every slot at once, each in its own thread, and the router's liveness beside them: one slot's probe (up
+        to ``--rollout-health-check-timeout`` for a hung engine) or replacement (seconds: the dead engine stopped, a
+        new one launched) does not hold up another's (one after another, the second engine of a double kill was
+        replaced 9 s after the first on 2 cores). A dead router is restarted after the slot checks, with the engines
+        that just passed them: a hung engine's probe is waited out once (probed again for the router, it held the
+        router's restart, and the rollout, for a second timeout)."""
         with self._replacing:
-            if self.router is not None and (reason := self._down_reason(self.router, "/liveness")):
+            with concurrent.futures.ThreadPoolExecutor(len(self.engines) + 1, "vime-engine-check") as pool:
+                router = self.router
+                router_down = (
+                    pool.submit(self._down_reason, router, "/liveness") if router is not None else None
+                )
+                list(pool.map(self._check_slot, range(len(self.engines))))
+            if router_down is None or self._stop.is_set() or self.fatal is not None:
+                return
+            if reason := router_down.result():
                 try:
                     self._restart_router(reason)
                 except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
                     self.fatal = e
-                    return
-            for slot in range(len(self.engines)):
-                if self._stop.is_set() or self.fatal is not None:
-                    return
-                try:
-                    if slot in self.starting:
-                        self._check_start(slot)
-                    elif reason := self._down_reason(self.engines[slot]) or self._core_problem(
-                        self.engines[slot]
-                    ):
-                        self._replace(slot, reason)
-                except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
-                    self.fatal = e
+
+    def _check_slot(self, slot: int) -> None:
+        if self._stop.is_set() or self.fatal is not None:
+            return
+        try:
+            if slot in self.starting:
+                self._check_start(slot)
+            elif reason := self._down_reason(self.engines[slot]) or self._core_problem(self.engines[slot]):
+                self._replace(slot, reason)
+        except BaseException as e:  # noqa: BLE001 -- handed to the run's thread
+            self.fatal = e
 
     def _down_reason(self, server: EngineHandle | ServerProcess, path: str = "/health") -> str | None:
         """None when ``server``'s process is alive and ``GET path`` answers 200 within
@@ -234,9 +247,9 @@ class EngineMonitor:
                 for i, e in enumerate(self.engines)
                 if i not in self.waiting_for_weights and i not in self.starting
             ]
-        # only live engines: vllm-router's POST /workers waits until a worker is healthy, so a hung one would hold the
-        # monitor; the engine check that follows replaces it
-        run(register_workers(self.router_url, [e.url for e in admitted if self._down_reason(e) is None]))
+        # each answered the check just made (a dead or hung one was replaced in it, and is starting): vllm-router's
+        # POST /workers waits until a worker is healthy, so a hung one would hold the monitor
+        run(register_workers(self.router_url, [e.url for e in admitted]))
         self.time_lost_s += time.monotonic() - started
 
     def _replace(self, slot: int, reason: str) -> None:
@@ -249,19 +262,24 @@ class EngineMonitor:
         except Exception as e:  # noqa: BLE001 -- the router may be restarting; the engine is gone anyway
             logger.warning("could not remove %s from the router: %s", dead.url, e)
         tail = dead.log_tail(40)
-        dead.stop(grace_s=1.0)  # dead or hung: what is left of it gets no use out of a graceful stop
         # another process bound its free port before it did: a start lost, not an engine failure
         if PORT_TAKEN in tail:
             logger.warning("engine %d lost its port to another process; starting it on another one", slot)
         else:
             self.restarts[slot] += 1
         if self.restarts[slot] > self.args.rollout_max_engine_restarts:
+            dead.stop(grace_s=1.0)
             raise RuntimeError(
                 f"engine {slot} died {self.restarts[slot]} times (--rollout-max-engine-restarts "
                 f"{self.args.rollout_max_engine_restarts}); last lines of {dead.log_path}:\n{tail}"
             )
         self.launches[slot] += 1
-        engine = self.make_engine(slot)
+        # built before the dead one is stopped: an engine's Ray actor takes seconds to come up, which then overlap
+        # the stop; it starts (and takes the slot's GPUs) only once the dead one is gone
+        try:
+            engine = self.make_engine(slot)
+        finally:
+            dead.stop(grace_s=1.0)  # dead or hung: what is left of it gets no use out of a graceful stop
         engine.start()
         now = time.monotonic()
         with self.lock:
@@ -282,7 +300,7 @@ class EngineMonitor:
                 del self.starting[slot]
                 self.waiting_for_weights.add(slot)
                 self.run_context.engine_urls = self._live_urls()
-            self.time_lost_s += time.monotonic() - down_since
+                self.time_lost_s += time.monotonic() - down_since
             logger.warning("engine %d is up at %s; it rejoins after the next weight sync", slot, engine.url)
         elif not engine.is_alive():
             self._replace(slot, f"it exited while starting ({reason})")
