@@ -177,9 +177,16 @@ def test_parsed_args_unpickle_without_importing_vllm(parser, tmp_path):
 LAZY_CHECK = """
 import json, sys
 from vime.utils.arguments import build_parser
+from vime.utils.passthrough_args import passthrough_cli_args
 args = build_parser().parse_args(sys.argv[1:])
-print(json.dumps({"vllm_imported": "vllm" in sys.modules, "args": {k: repr(v) for k, v in vars(args).items()}}))
+print(json.dumps({"vllm_imported": "vllm" in sys.modules, "vllm_cli": passthrough_cli_args(args, "vllm"),
+                  "args": {k: f"{type(v).__name__} {v!r}" for k, v in vars(args).items()}}))
 """
+
+
+def _as_text(args: argparse.Namespace) -> dict[str, str]:
+    """The namespace as LAZY_CHECK prints it: each value's type and repr."""
+    return {k: f"{type(v).__name__} {v!r}" for k, v in vars(args).items()}
 
 
 def _parse_in_fresh_process(argv: list[str], cache_home) -> dict:
@@ -192,42 +199,132 @@ def _parse_in_fresh_process(argv: list[str], cache_home) -> dict:
 
 def test_a_command_line_without_vllm_flags_does_not_import_vllm(parser, tmp_path, monkeypatch):
     """A driver that passes no --vllm-* flag (a run on external engines) takes their defaults from a cache instead
-    of importing vLLM to build its parser (~3 CPU-s): the same arguments either way, and the first run fills it.
+    of importing vLLM to build its parser (~15 CPU-s): the same arguments either way, and the first run fills it.
     Only the parses that must not import vLLM get a fresh process (one that imports it costs ~20 s on 2 cores); the
     others run here, where vLLM is imported already, and show they mirrored its flags."""
-
-    def as_text(args: argparse.Namespace) -> dict[str, str]:
-        return {k: repr(v) for k, v in vars(args).items()}
-
     parser.mirror_vllm_flags()  # the module's parser, flags mirrored whatever ran before
-    eager = as_text(parser.parse_args(BASE))
+    eager = _as_text(parser.parse_args(BASE))
     assert "vllm_max_num_seqs" in eager
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = build_parser()  # no cache yet: mirrors the flags and writes it
-    assert as_text(first.parse_args(BASE)) == eager and first._vllm_mirrored
-    assert len(list((tmp_path / "vime").glob("vllm_flag_defaults-*.txt"))) == 1
+    assert _as_text(first.parse_args(BASE)) == eager and first._vllm_mirrored
+    assert len(list((tmp_path / "vime").glob("vllm_flags-*.txt"))) == 1
     second = _parse_in_fresh_process(BASE, tmp_path)
     assert not second["vllm_imported"] and second["args"] == eager
-    # a --vllm-* flag (or --help-vllm) mirrors them again, so its value is checked by vLLM's own type
+    # a --vllm-* flag no parse has met (or --help-vllm) mirrors them again, so its value is checked by vLLM's type
     used = build_parser()
     assert used.parse_args([*BASE, "--vllm-max-num-seqs", "8"]).vllm_max_num_seqs == 8 and used._vllm_mirrored
     # vime's own --vllm-named flags do not
     own = _parse_in_fresh_process([*BASE, "--vllm-router-port", "8000"], tmp_path)
-    assert not own["vllm_imported"] and own["args"]["vllm_router_port"] == "8000"
+    assert not own["vllm_imported"] and own["args"]["vllm_router_port"] == "int 8000"
 
 
-def test_the_flag_defaults_cache_follows_the_installed_vllm(tmp_path, monkeypatch):
+# --vllm-* flags of each kind: nargs 0 (both spellings of a BooleanOptionalAction), one value (also with '=', and
+# negative), several, one whose value vime keeps as its tokens (a config object upstream), and vime's own flag
+USED_VLLM_FLAGS = [
+    "--vllm-enforce-eager", "--vllm-no-enable-prefix-caching", "--vllm-dtype", "float32", "--vllm-max-model-len=64",
+    "--vllm-max-logprobs", "-1", "--vllm-cudagraph-capture-sizes", "1", "2", "--vllm-compilation-config",
+    '{"mode": 0}', "--vllm-router-port", "8000",
+]  # fmt: skip
+
+
+def test_a_command_line_parsed_before_does_not_import_vllm(tmp_path, monkeypatch):
+    """A driver whose --vllm-* flags and values a parse with this vLLM met before (every e2e test's) is parsed from
+    the cache that parse left, without vLLM: the same arguments, types included, and the same engine command line."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = [*BASE, *USED_VLLM_FLAGS]
+    full = build_parser()
+    first = full.parse_args(argv)
+    assert full._vllm_mirrored  # the full parse, with vLLM's parser
+    second = _parse_in_fresh_process(argv, tmp_path)
+    assert not second["vllm_imported"]
+    assert second["args"] == _as_text(first) and second["vllm_cli"] == passthrough_cli_args(first, "vllm")
+    assert (first.vllm_max_model_len, first.vllm_cudagraph_capture_sizes) == (64, [1, 2])
+    cached = build_parser()
+    assert _as_text(cached.parse_args(argv)) == _as_text(first) and not cached._vllm_mirrored
+    # the flags that stood in are gone again: the same parser mirrors vLLM's for a command line the cache lacks
+    assert cached.parse_args([*BASE, "--vllm-max-model-len", "65"]).vllm_max_model_len == 65
+    assert cached._vllm_mirrored
+
+
+FILLS_THE_CACHE = [*BASE, "--vllm-max-model-len", "64", "--vllm-max-num-seqs", "4"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--vllm-max-model-len", "65"],  # a value no parse has met
+        ["--vllm-max-model-len", "64", "--vllm-block-size", "16"],  # a flag no parse has met
+        ["--vllm-max-model-len", "64", "--vllm-max-model-len", "32"],  # a flag twice
+        ["--vllm-max-model-len", "64", "--help-vllm"],
+    ],
+)
+def test_what_the_cache_lacks_takes_the_full_parse(parser, extra, tmp_path, monkeypatch):
+    """A new value or flag, a flag twice and --help-vllm take vLLM's parser, with its checks; what that parse adds to
+    the cache answers the next one the same."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build_parser().parse_args(FILLS_THE_CACHE)
+    fresh = build_parser()
+    assert _as_text(fresh.parse_args([*BASE, *extra])) == _as_text(parser.parse_args([*BASE, *extra]))
+    assert fresh._vllm_mirrored
+    cached = build_parser()  # and what that parse added to the cache is right
+    assert _as_text(cached.parse_args(FILLS_THE_CACHE)) == _as_text(parser.parse_args(FILLS_THE_CACHE))
+    assert _as_text(cached.parse_args([*BASE, *extra])) == _as_text(parser.parse_args([*BASE, *extra]))
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--vllm-max-model-len"], "argument --vllm-max-model-len: expected one argument"),
+        (["--vllm-max-num-seqs", "4", "--rollout-temprature", "1"], "did you mean --rollout-temperature"),
+        (["--vllm-max-num-seqs", "4", "--max-model-len", "8"], "did you mean --vllm-max-model-len"),
+    ],
+)
+def test_errors_take_the_full_parse(extra, expected, tmp_path, monkeypatch, capsys):
+    """Messages and suggestions come from the full parse, with vLLM's flags, though the cache holds every flag used."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build_parser().parse_args(FILLS_THE_CACHE)
+    fresh = build_parser()
+    with pytest.raises(SystemExit):
+        fresh.parse_args([*BASE, *extra])
+    assert expected in capsys.readouterr().err and fresh._vllm_mirrored
+
+
+def test_a_corrupt_or_altered_cache_is_no_cache(tmp_path, monkeypatch):
+    """The cache file's text must match its digest: a file cut short, or altered (64 read as 65), is ignored."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = [*BASE, "--vllm-max-model-len", "64"]
+    build_parser().parse_args(argv)
+    (path,) = (tmp_path / "vime").glob("vllm_flags-*.txt")
+    text = path.read_text()
+    assert text.count("): 64") == 1
+    for corrupt in (text[: len(text) // 2], text.replace("): 64", "): 65")):
+        path.write_text(corrupt)
+        parser = build_parser()
+        assert parser.parse_args(argv).vllm_max_model_len == 64 and parser._vllm_mirrored
+        assert path.read_text() == text  # and written again whole
+
+
+def test_the_flag_cache_follows_the_installed_vllm(tmp_path, monkeypatch):
     """The cache key covers vLLM's source files and the VLLM_* environment: another vLLM is another entry."""
     from vime.utils import upstream_parsers
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     own = ["--x"]
-    first = upstream_parsers._vllm_defaults_path(own)
+    first = upstream_parsers._vllm_cache_path(own)
     monkeypatch.setenv("VLLM_SOME_SETTING", "1")
-    assert upstream_parsers._vllm_defaults_path(own) != first
-    assert upstream_parsers.cached_vllm_flag_defaults(own) is None
-    upstream_parsers.cache_vllm_flag_defaults(own, {"vllm_a": (1, "b"), "vllm_c": None})
-    assert upstream_parsers.cached_vllm_flag_defaults(own) == {"vllm_a": (1, "b"), "vllm_c": None}
+    assert upstream_parsers._vllm_cache_path(own) != first
+    assert upstream_parsers.cached_vllm_flags(own) is None
+    entry = {
+        "defaults": {"vllm_a": (1, "b"), "vllm_c": None},
+        "flags": {},
+        "values": {("--c", ("1",), "None"): 1},
+    }
+    upstream_parsers.cache_vllm_flags(own, entry)
+    assert upstream_parsers.cached_vllm_flags(own) == entry
+    # values that would not read back the same are left out
+    upstream_parsers.cache_vllm_flags(own, {**entry, "values": {("--c", ("nan",), "None"): float("nan")}})
+    assert upstream_parsers.cached_vllm_flags(own) == entry
 
 
 @pytest.mark.parametrize("dest", sorted(VIME_OWNED_VLLM_FLAGS))

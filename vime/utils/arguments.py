@@ -11,12 +11,19 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+from collections import Counter
 from collections.abc import Sequence
 
 from vime.utils.arg_validation import finalize_args
 from vime.utils.flags import VIME_GROUPS
 from vime.utils.megatron_args import add_megatron_arguments
-from vime.utils.passthrough_args import add_passthrough_flags, passthrough_help
+from vime.utils.passthrough_args import (
+    CachedMirrorAction,
+    CacheMiss,
+    add_passthrough_flags,
+    passthrough_help,
+    passthrough_records,
+)
 from vime.utils.refused_flags import add_refused_flags
 from vime.utils.sglang_flags import translate_sglang_flags
 from vime.utils.upstream_parsers import (
@@ -24,8 +31,8 @@ from vime.utils.upstream_parsers import (
     VIME_OWNED_VLLM_FLAGS,
     build_router_parser,
     build_vllm_serve_parser,
-    cache_vllm_flag_defaults,
-    cached_vllm_flag_defaults,
+    cache_vllm_flags,
+    cached_vllm_flags,
 )
 
 EPILOG = """\
@@ -43,11 +50,14 @@ def _add_group(parser: argparse.ArgumentParser, title: str, flags: list[tuple[st
 
 class VimeArgumentParser(argparse.ArgumentParser):
     """ArgumentParser whose unknown-flag errors suggest the closest known flag, and which mirrors vLLM's flags only
-    when a command line uses one: building vLLM's parser imports vLLM (~3 CPU-s per driver), which a run that passes
-    no ``--vllm-*`` flag (one on external engines) never needs otherwise. Such a run gets the flags' defaults from a
-    cache (``upstream_parsers.cached_vllm_flag_defaults``), so its arguments are the same either way."""
+    when a command line needs them: building vLLM's parser imports vLLM (~15 CPU-s per driver here). A command line
+    whose ``--vllm-*`` flags and values a parse with the same vLLM met before (none, for a run on external engines)
+    is parsed from a cache of that parse instead (``upstream_parsers.cached_vllm_flags``), to the same arguments;
+    anything else (a new flag or value, an error, an unknown flag, ``--help-vllm``) gets the full parse."""
 
     _vllm_mirrored: list[argparse.Action] | None = None
+    _own_options: list[str] | None = None  # the option strings before the --vllm-* flags: the cache's key
+    _from_cache = False
 
     @property
     def vllm_actions(self) -> list[argparse.Action]:
@@ -57,36 +67,82 @@ class VimeArgumentParser(argparse.ArgumentParser):
     def mirror_vllm_flags(self) -> list[argparse.Action]:
         """Add the ``--vllm-*`` flags (once) and cache their defaults; returns their actions."""
         if self._vllm_mirrored is None:
-            own = list(self._option_string_actions)
+            self._own_options = list(self._option_string_actions)
             vllm_parser = build_vllm_serve_parser()
             self._vllm_mirrored = (
                 add_passthrough_flags(self, vllm_parser, "vllm", VIME_OWNED_VLLM_FLAGS) if vllm_parser else []
             )
-            cache_vllm_flag_defaults(own, mirrored_defaults(self._vllm_mirrored, own, self))
+            self._cache_vllm_flags(argparse.Namespace())
         return self._vllm_mirrored
 
     def error(self, message: str):  # the usage line of ~700 flags would bury the message
+        if self._from_cache:
+            raise CacheMiss(message)  # the full parse says it, with the --vllm-* flags in its suggestions
         self.exit(2, f"{self.prog}: error: {message}\n(run '{self.prog} --help' for the flags)\n")
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
         args = list(sys.argv[1:] if args is None else args)
-        defaults = None
-        if self._vllm_mirrored is None and not self._uses_vllm_flags(args):
-            defaults = cached_vllm_flag_defaults(list(self._option_string_actions))
-        if defaults is None:
-            self.mirror_vllm_flags()
+        mirrored = self._vllm_mirrored is not None
+        if not mirrored and namespace is None:
+            cache = cached_vllm_flags(list(self._option_string_actions))
+            parsed = None if cache is None else self._parse_from_cache(args, cache)
+            if parsed is not None:
+                return parsed, []
+        self.mirror_vllm_flags()
         parsed, unknown = super().parse_known_args(args, namespace)
-        for dest, value in (defaults or {}).items():
-            if not hasattr(parsed, dest):  # as argparse fills a default
-                setattr(parsed, dest, value)
+        if not mirrored and namespace is None and not unknown:
+            self._cache_vllm_flags(parsed)
         return parsed, unknown
 
-    def _uses_vllm_flags(self, args: list[str]) -> bool:
-        """Whether ``args`` holds a ``--vllm-*`` token that is not one of vime's own flags, or ``--help-vllm``."""
+    def _parse_from_cache(self, args: list[str], cache: dict[str, dict]) -> argparse.Namespace | None:
+        """``args`` parsed with the cached ``--vllm-*`` flags in place of vLLM's parser, or None if the cache cannot
+        tell: cached actions stand in for the flags ``args`` uses, with the same option strings, dest and nargs, so
+        argparse splits the tokens as the full parse does."""
         names = {token.split("=", 1)[0] for token in args if token.startswith("--")}
-        return "--help-vllm" in names or any(
-            name.startswith("--vllm-") and name not in self._option_string_actions for name in names
-        )
+        used = {
+            name for name in names if name.startswith("--vllm-") and name not in self._option_string_actions
+        }
+        if "--help-vllm" in names or not used <= cache["flags"].keys():
+            return None
+        stand_ins = [
+            self.add_argument(
+                *options, dest=dest, nargs=nargs, default=cache["defaults"][dest], help=argparse.SUPPRESS,
+                action=CachedMirrorAction, prefix="vllm", parsed=cache["values"],
+            )
+            for options, dest, nargs in dict.fromkeys(cache["flags"][name] for name in sorted(used))
+        ]  # fmt: skip
+        self._from_cache = True
+        try:
+            parsed, unknown = super().parse_known_args(args)
+        except CacheMiss:
+            return None
+        finally:
+            self._from_cache = False
+            for action in stand_ins:  # as argparse removes an action whose option strings a later one takes
+                self._actions.remove(action)
+                self._optionals._group_actions.remove(action)
+                for option in action.option_strings:
+                    del self._option_string_actions[option]
+        if unknown:
+            return None
+        for dest, value in cache["defaults"].items():
+            if not hasattr(parsed, dest):  # as argparse fills a default
+                setattr(parsed, dest, value)
+        return parsed
+
+    def _cache_vllm_flags(self, parsed: argparse.Namespace) -> None:
+        """Cache the mirrored flags' defaults and what the full parse ``parsed`` made of the tokens of each
+        ``--vllm-*`` flag it met once (so the value before them was the flag's default)."""
+        defaults = mirrored_defaults(self._vllm_mirrored, self._own_options, self)
+        records = passthrough_records(parsed, "vllm")
+        uses = Counter(self._option_string_actions[f"--vllm-{option[2:]}"].dest for option, _, _ in records)
+        flags, values = {}, {}
+        for option, raw, _ in records:
+            action = self._option_string_actions[f"--vllm-{option[2:]}"]
+            if uses[action.dest] == 1 and action.dest in defaults:
+                flags[f"--vllm-{option[2:]}"] = (tuple(action.option_strings), action.dest, action.nargs)
+                values[(option, tuple(raw), repr(defaults[action.dest]))] = getattr(parsed, action.dest)
+        cache_vllm_flags(self._own_options, {"defaults": defaults, "flags": flags, "values": values})
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
         try:  # slime's --sglang-* flags become the vLLM/vime flags they mean, or stop here with the reason

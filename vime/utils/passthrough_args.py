@@ -14,13 +14,33 @@ from typing import Any
 _RECORD_ATTR = "_passthrough_tokens"
 
 
-class _MirrorAction(argparse.Action):
-    """Parses ``--<prefix>-<flag>`` like upstream ``--<flag>`` and records the raw tokens for replay."""
+class _PassthroughAction(argparse.Action):
+    """A ``--<prefix>-<flag>``: sets the value :meth:`value` gives and records the raw tokens for replay."""
 
-    def __init__(self, option_strings, dest, upstream: argparse.Action, prefix: str, upstream_parser, **kw):
+    def __init__(self, option_strings, dest, prefix: str, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.prefix = prefix
+
+    def value(self, namespace, raw: list[str], upstream_option: str) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raw = [] if values is None else [values] if isinstance(values, str) else list(values)
+        upstream_option = "--" + option_string.removeprefix(f"--{self.prefix}-")
+        setattr(namespace, self.dest, self.value(namespace, raw, upstream_option))
+        records = getattr(namespace, _RECORD_ATTR, None)
+        if records is None:
+            records = {}
+            setattr(namespace, _RECORD_ATTR, records)
+        records.setdefault(self.prefix, []).append((upstream_option, raw, self.nargs))
+
+
+class _MirrorAction(_PassthroughAction):
+    """Parses ``--<prefix>-<flag>`` like upstream ``--<flag>``."""
+
+    def __init__(self, option_strings, dest, upstream: argparse.Action, upstream_parser, **kw):
         super().__init__(option_strings, dest, **kw)
         self.upstream = upstream
-        self.prefix = prefix
         self.upstream_parser = upstream_parser
 
     def _convert(self, raw: str) -> Any:
@@ -35,10 +55,8 @@ class _MirrorAction(argparse.Action):
             raise argparse.ArgumentError(self, f"invalid choice {raw!r} (choose from {choices})")
         return value
 
-    def __call__(self, parser, namespace, values, option_string=None):
-        raw = [] if values is None else [values] if isinstance(values, str) else list(values)
+    def value(self, namespace, raw: list[str], upstream_option: str) -> Any:
         converted = [self._convert(v) for v in raw]
-        upstream_option = "--" + option_string.removeprefix(f"--{self.prefix}-")
         scratch = argparse.Namespace(**{self.upstream.dest: getattr(namespace, self.dest, None)})
         if self.upstream.nargs == 0:
             call_values: Any = []
@@ -49,12 +67,27 @@ class _MirrorAction(argparse.Action):
         self.upstream(self.upstream_parser, scratch, call_values, upstream_option)
         value = getattr(scratch, self.upstream.dest)
         # validated; a value of an upstream type (a config object, an enum) is kept as typed: see is_plain
-        setattr(namespace, self.dest, value if is_plain(value) else (raw[0] if len(raw) == 1 else raw))
-        records = getattr(namespace, _RECORD_ATTR, None)
-        if records is None:
-            records = {}
-            setattr(namespace, _RECORD_ATTR, records)
-        records.setdefault(self.prefix, []).append((upstream_option, raw, self.upstream.nargs))
+        return value if is_plain(value) else (raw[0] if len(raw) == 1 else raw)
+
+
+class CacheMiss(Exception):
+    """A :class:`CachedMirrorAction` met tokens it has no record of."""
+
+
+class CachedMirrorAction(_PassthroughAction):
+    """A mirrored flag answered from earlier parses instead of the upstream parser: ``parsed[(upstream_option,
+    raw_tokens, repr(value_before))]`` is the value the mirrored flag gave those tokens when the flag held
+    ``value_before``; tokens not there raise :class:`CacheMiss`."""
+
+    def __init__(self, option_strings, dest, parsed: dict[tuple, Any], **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.parsed = parsed
+
+    def value(self, namespace, raw: list[str], upstream_option: str) -> Any:
+        key = (upstream_option, tuple(raw), repr(getattr(namespace, self.dest, None)))
+        if key not in self.parsed:
+            raise CacheMiss(upstream_option)
+        return self.parsed[key]
 
 
 class _OwnedByVimeAction(argparse.Action):
@@ -124,10 +157,15 @@ def add_passthrough_flags(
     return mirrored
 
 
+def passthrough_records(args: argparse.Namespace, prefix: str) -> list[tuple[str, list[str], Any]]:
+    """``(upstream_option, raw_tokens, nargs)`` of each ``--{prefix}-*`` flag the user passed, in their order."""
+    return getattr(args, _RECORD_ATTR, {}).get(prefix, [])
+
+
 def passthrough_cli_args(args: argparse.Namespace, prefix: str) -> list[str]:
     """The upstream command-line tokens for the ``--{prefix}-*`` flags the user passed, in their order."""
     tokens: list[str] = []
-    for option, raw, nargs in getattr(args, _RECORD_ATTR, {}).get(prefix, []):
+    for option, raw, nargs in passthrough_records(args, prefix):
         if nargs is None and len(raw) == 1 and raw[0].startswith("-"):
             tokens.append(f"{option}={raw[0]}")  # '=' keeps values such as '-1' from reading as flags
         else:

@@ -68,21 +68,23 @@ def build_router_parser() -> argparse.ArgumentParser | None:
     return parser
 
 
-# The defaults of the --vllm-* flags, cached: building vLLM's parser imports vLLM (~3 CPU-s, more than the rest of a
-# driver's parsing), so a command line that passes no --vllm-* flag takes their defaults from this cache instead
-# (vime.utils.arguments). The key covers everything the defaults derive from: every source file of the installed vLLM
-# (path, size, mtime), the VLLM_* environment, vime's own flags (a vLLM flag vime already has is not mirrored) and the
-# mirroring code itself.
-_CACHE_VERSION = 1
+# The --vllm-* flags, cached: building vLLM's parser imports vLLM (~15 CPU-s here, more than the rest of a driver),
+# so vime.utils.arguments parses a command line from this cache when it can: the flags' defaults (all that a command
+# line without --vllm-* flags needs) and, for each --vllm-* flag a full parse met, its option strings, dest and nargs
+# and the value each of its token lists became. The key covers everything that derives from: every source file of
+# the installed vLLM (path, size, mtime), the VLLM_* environment, vime's own flags (a vLLM flag vime already has is
+# not mirrored) and the parsing code itself; a file whose digest does not match its text is no cache.
+_CACHE_VERSION = 2
+_MAX_VALUES = 1000  # distinct flag values kept (the newest): a bound on the file, which every parse reads
 
 
-def _vllm_defaults_path(own_options: Sequence[str]) -> Path | None:
+def _vllm_cache_path(own_options: Sequence[str]) -> Path | None:
     """The cache file for the installed vLLM, or None when vLLM is not installed."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None
     key = hashlib.sha256(f"{_CACHE_VERSION} {sys.version} {sorted(own_options)}".encode())
-    for name in ("passthrough_args.py", "upstream_parsers.py"):
+    for name in ("arguments.py", "passthrough_args.py", "upstream_parsers.py"):
         key.update((Path(__file__).parent / name).read_bytes())
     key.update(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("VLLM_"))).encode())
     for location in spec.submodule_search_locations:
@@ -93,31 +95,57 @@ def _vllm_defaults_path(own_options: Sequence[str]) -> Path | None:
                     stat = os.stat(os.path.join(root, name))
                     key.update(f"{root}/{name} {stat.st_size} {stat.st_mtime_ns}\n".encode())
     cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache_home / "vime" / f"vllm_flag_defaults-{key.hexdigest()[:24]}.txt"
+    return cache_home / "vime" / f"vllm_flags-{key.hexdigest()[:24]}.txt"
 
 
-def cached_vllm_flag_defaults(own_options: Sequence[str]) -> dict[str, Any] | None:
-    """``{dest: default}`` of the mirrored ``--vllm-*`` flags as last computed for this vLLM and these vime flags
-    (``own_options``: the option strings vime's parser has without them); ``{}`` without vLLM, None if not cached."""
-    path = _vllm_defaults_path(own_options)
+def cached_vllm_flags(own_options: Sequence[str]) -> dict[str, dict] | None:
+    """The cache for this vLLM and these vime flags (``own_options``: the option strings vime's parser has without
+    the ``--vllm-*`` ones): ``{"defaults": {dest: default}, "flags": {option: (option_strings, dest, nargs)},
+    "values": {(upstream_option, raw_tokens, repr(value_before)): value}}`` (``passthrough_args.CachedMirrorAction``
+    reads "values"); empty without vLLM, None if not cached."""
+    path = _vllm_cache_path(own_options)
     if path is None:
-        return {}
-    try:  # plain data only (passthrough_args.is_plain), written below
-        return ast.literal_eval(path.read_text())
+        return {"defaults": {}, "flags": {}, "values": {}}
+    try:
+        digest, text = path.read_text().split("\n", 1)
+        if digest != hashlib.sha256(text.encode()).hexdigest():
+            return None
+        return ast.literal_eval(text)  # plain data only (passthrough_args.is_plain), written below
     except (OSError, ValueError, SyntaxError):
         return None
 
 
-def cache_vllm_flag_defaults(own_options: Sequence[str], defaults: dict[str, Any]) -> None:
-    """Record ``defaults`` for :func:`cached_vllm_flag_defaults` (best effort: an unwritable cache only costs time)."""
-    path = _vllm_defaults_path(own_options)
-    text = repr(defaults)
-    if path is None or ast.literal_eval(text) != defaults:
+def cache_vllm_flags(own_options: Sequence[str], new: dict[str, dict]) -> None:
+    """Merge ``new`` (shaped as :func:`cached_vllm_flags` returns it) into the cache (best effort: an unwritable cache
+    only costs time). A value that would not read back the same is left out."""
+    path = _vllm_cache_path(own_options)
+    if path is None or not _reads_back(new["defaults"]):
         return
+    cached = cached_vllm_flags(own_options) or {"defaults": {}, "flags": {}, "values": {}}
+    values = {
+        **cached["values"],
+        **{key: value for key, value in new["values"].items() if _reads_back(value)},
+    }
+    cache = {
+        "defaults": new["defaults"],
+        "flags": {**cached["flags"], **new["flags"]},
+        "values": dict(list(values.items())[-_MAX_VALUES:]),
+    }
+    if cache == cached:
+        return
+    text = repr(cache)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_name(f"{path.name}.{os.getpid()}")
-        scratch.write_text(text)
+        scratch.write_text(f"{hashlib.sha256(text.encode()).hexdigest()}\n{text}")
         os.replace(scratch, path)  # whole or absent, with several drivers starting at once
     except OSError:
         pass
+
+
+def _reads_back(value: Any) -> bool:
+    """Whether ``repr(value)`` reads back as the same value, types included (not so for ``nan`` or a frozenset)."""
+    try:
+        return repr(ast.literal_eval(repr(value))) == repr(value)
+    except (ValueError, SyntaxError):
+        return False
