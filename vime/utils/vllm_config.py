@@ -340,9 +340,7 @@ def _positive_int(value: Any, where: str, key: str) -> int:
 def vllm_flag_tokens(flags: dict[str, Any]) -> list[str]:
     """``{max_model_len: 4096, enforce_eager: true}`` as vLLM server tokens, each key and value checked against
     the installed vLLM's own parser (ValueError naming the key: unknown, set by vime, or a bad value)."""
-    if (
-        not flags
-    ):  # nothing to check: building vLLM's parser imports vLLM (~10 CPU-s), in every process that asks
+    if not flags:  # nothing to check; building vLLM's parser would import vLLM (~10 CPU-s) in every caller
         return []
     parser = build_vllm_serve_parser()
     if parser is None:

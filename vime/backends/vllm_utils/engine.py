@@ -174,15 +174,41 @@ def _keep_multicast_off(env: dict[str, str]) -> None:
         )
 
 
-def build_engine_env(args: argparse.Namespace, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: ``base_env`` (default ``os.environ``) plus dev-mode control routes, no usage
-    stats, FlashInfer's all-reduce kept off NVLink multicast where the host turns it off, and on CPU a 1 GiB KV
-    cache unless the user sized it (``VLLM_CPU_KVCACHE_SPACE``, ``--vllm-kv-cache-memory-bytes`` or
-    ``--vllm-gpu-memory-utilization``)."""
+# Triton's dot products take float32 inputs as TF32 on NVIDIA GPUs unless told otherwise; vLLM's Triton attention
+# (its backend for float32 on CUDA) then scores ~1e-4 in log-prob away from a float32 trainer.
+TRITON_F32 = "TRITON_F32_DEFAULT"
+RAY_EXTRA_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+
+
+def _keep_float32_exact(env: dict[str, str], command: Sequence[str]) -> None:
+    """An engine that serves float32 (the last ``--dtype`` of its ``command``) computes in float32: Triton's dots in
+    IEEE float32 (``TRITON_F32_DEFAULT=ieee`` unless set; vLLM keeps torch's own float32 matmuls at "highest"), also
+    in the workers vLLM's Ray executor starts (which get only the variables it is told to copy)."""
+    dtype = None
+    for i, token in enumerate(command):
+        if token == "--dtype" and i + 1 < len(command):
+            dtype = command[i + 1]
+        elif token.startswith("--dtype="):
+            dtype = token.split("=", 1)[1]
+    if dtype not in ("float32", "float"):
+        return
+    env.setdefault(TRITON_F32, "ieee")
+    copied = [name for name in env.get(RAY_EXTRA_ENV, "").split(",") if name]
+    env[RAY_EXTRA_ENV] = ",".join(dict.fromkeys([*copied, TRITON_F32]))
+
+
+def build_engine_env(
+    args: argparse.Namespace, base_env: Mapping[str, str] | None = None, command: Sequence[str] = ()
+) -> dict[str, str]:
+    """The environment of the server run as ``command``: ``base_env`` (default ``os.environ``) plus dev-mode control
+    routes, no usage stats, FlashInfer's all-reduce kept off NVLink multicast where the host turns it off, float32
+    kept exact where the server serves float32 (:func:`_keep_float32_exact`), and on CPU a 1 GiB KV cache unless the
+    user sized it (``VLLM_CPU_KVCACHE_SPACE``, ``--vllm-kv-cache-memory-bytes`` or ``--vllm-gpu-memory-utilization``)."""
     import torch
 
     env = dict(os.environ if base_env is None else base_env)
     _keep_multicast_off(env)
+    _keep_float32_exact(env, command)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env[control_auth.SECRET_ENV] = control_auth.run_secret()
     env["VLLM_NO_USAGE_STATS"] = "1"
@@ -196,29 +222,6 @@ def build_engine_env(args: argparse.Namespace, base_env: Mapping[str, str] | Non
     if not torch.cuda.is_available() and not user_sized:
         env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KV_CACHE_GIB
     return env
-
-
-# Triton's dot products take float32 inputs as TF32 on NVIDIA GPUs unless told otherwise; vLLM's Triton attention
-# (its backend for float32 on CUDA) then scores ~1e-4 in log-prob away from a float32 trainer.
-TRITON_F32 = "TRITON_F32_DEFAULT"
-RAY_EXTRA_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
-
-
-def _keep_float32_exact(env: dict[str, str], command: Sequence[str]) -> None:
-    """An engine that serves float32 (the last ``--dtype`` of its ``command``) computes in float32: Triton's dots in
-    IEEE float32 (``TRITON_F32_DEFAULT=ieee`` unless set; vLLM keeps torch's own float32 matmuls at "highest"), also
-    in the workers vLLM's Ray executor starts (which get only the variables it is told to copy)."""
-    dtype = None
-    for token, following in zip(command, [*command[1:], None], strict=True):
-        if token == "--dtype":
-            dtype = following
-        elif token.startswith("--dtype="):
-            dtype = token.split("=", 1)[1]
-    if dtype not in ("float32", "float"):
-        return
-    env.setdefault(TRITON_F32, "ieee")
-    copied = [name for name in env.get(RAY_EXTRA_ENV, "").split(",") if name]
-    env[RAY_EXTRA_ENV] = ",".join(dict.fromkeys([*copied, TRITON_F32]))
 
 
 def private_port(host: str, port: int | None) -> int:
@@ -407,12 +410,14 @@ class VLLMEngine(ServerProcess):
         port = private_port(host, port)
         command = engine_command(args, host, port, model_path, extra_args, spec)
         tensor_parallel = spec.num_gpus if spec is not None else args.rollout_num_gpus_per_engine
-        engine_env = build_engine_env(args)
-        _keep_float32_exact(engine_env, command)
         super().__init__(
             name="vLLM engine",
             command=command,
-            env={**engine_env, **cpu_bind_env(cpu_share, tensor_parallel), **(env or {})},
+            env={
+                **build_engine_env(args, command=command),
+                **cpu_bind_env(cpu_share, tensor_parallel),
+                **(env or {}),
+            },
             host=host,
             port=port,
             log_path=log_path,
