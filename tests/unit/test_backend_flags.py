@@ -142,6 +142,19 @@ def test_moe_token_drop_policy_reaches_the_transformer_config():
     assert kwargs["moe_token_drop_policy"] == "position"
 
 
+MLA = "--multi-latent-attention --q-lora-rank 8 --qk-layernorm --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 8 --v-head-dim 8".split()
+
+
+def test_multi_latent_attention_under_tensor_parallelism_needs_sequence_parallelism():
+    with pytest.raises(ValueError, match="needs --sequence-parallel"):
+        transformer_config_kwargs(parse("megatron", *MLA, "--tensor-model-parallel-size", "2"))
+    tp2_sp = transformer_config_kwargs(
+        parse("megatron", *MLA, "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    )
+    assert tp2_sp["multi_latent_attention"] and tp2_sp["sequence_parallel"]
+    assert transformer_config_kwargs(parse("megatron", *MLA))["q_lora_rank"] == 8  # one TP rank
+
+
 @pytest.mark.parametrize(("flags", "recomputed"), [([], []), (FULL_EVERY_LAYER, [0, 1, 2]), (
     "--recompute-granularity full --recompute-method block --recompute-num-layers 2".split(), [0, 1])])  # fmt: skip
 def test_fsdp_recomputes_exactly_the_checkpointed_layers_in_backward(flags, recomputed):

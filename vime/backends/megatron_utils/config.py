@@ -49,6 +49,21 @@ def moe_layer_freq(value: int | list[int] | str) -> int | list[int]:
     return list(eval(compile(tree, "--moe-layer-freq", "eval"), {"__builtins__": {}}))  # noqa: S307
 
 
+def check_mla_tensor_parallelism(args: argparse.Namespace) -> None:
+    """Refuse multi-latent attention under tensor parallelism without sequence parallelism. Megatron-Core (0.19.2)
+    sums every ``q_layernorm`` gradient over the TP ranks when ``qk_layernorm`` is set, yet without sequence
+    parallelism each rank already holds the whole gradient of MLA's query-latent norm, so the step would use TP
+    times it; and vime sums the RoPE key's gradient over TP (``model.TensorParallelMLASelfAttention``) on the
+    sequence-parallel path only."""
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise ValueError(
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} with multi-latent attention needs "
+            "--sequence-parallel: without it Megatron-Core sums the query-latent norm's gradient over the "
+            "tensor-parallel ranks though every rank holds all of it. Add --sequence-parallel (MoE layers need it "
+            "with TP anyway)."
+        )
+
+
 def transformer_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Megatron-Core ``TransformerConfig`` fields of the Megatron flags (dropout off: PPO ratios need a deterministic
     policy)."""
@@ -85,6 +100,7 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         )
     mla = {}
     if args.multi_latent_attention:  # Megatron-Core's MLATransformerConfig (model.transformer_config)
+        check_mla_tensor_parallelism(args)
         mla = dict(
             multi_latent_attention=True,
             q_lora_rank=args.q_lora_rank,

@@ -15,9 +15,14 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from vime.backends.megatron_utils.config import transformer_config_kwargs
@@ -121,6 +126,25 @@ class PackedMLARotaryEmbedding(PackedRotaryEmbedding):
         return rows if mscale is None else (rows, mscale)
 
 
+class TensorParallelMLASelfAttention(MLASelfAttention):
+    """Multi-latent attention whose shared RoPE key gets its whole gradient under tensor (and sequence) parallelism.
+
+    The local spec's key/value down projection is column-parallel: Megatron-Core gathers its output over TP and then
+    splits it, whose backward hands each rank its own columns of the gradient. Every TP rank expands the one RoPE key
+    over only its own heads, so the RoPE key's gradient is each rank's part of a sum, and the split drops the other
+    ranks' parts (Megatron-LM issue 1699; megatron-core 0.19.2): a TP > 1 step differed from TP = 1. Here the
+    gathered projection goes back to Megatron-Core split over the sequence, as a full-width projection's output
+    would be; Megatron-Core then gathers the RoPE key over the sequence, and that gather's backward sums its gradient
+    over the TP ranks. TP without sequence parallelism is refused (``config.check_mla_tensor_parallelism``)."""
+
+    def _qkv_down_projection(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)
+        if kv_combined.size(-1) == self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim:
+            return q_compressed, kv_combined  # one TP rank: nothing split
+        kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=self.tp_group)
+        return q_compressed, scatter_to_sequence_parallel_region(kv_combined, group=self.tp_group)
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` built from Megatron's arguments. With sequence parallelism each TP rank normalises
     different tokens, so the weight is tagged for ``finalize_model_grads`` to sum its gradient over TP."""
@@ -165,6 +189,8 @@ def build_gpt_model(
         attention = layer.submodules.self_attention.submodules
         attention.core_attention = PackedCoreAttention
         if config.multi_latent_attention:
+            if layer.submodules.self_attention.module is MLASelfAttention:
+                layer.submodules.self_attention.module = TensorParallelMLASelfAttention
             if (
                 config.qk_layernorm
             ):  # the query and key/value latents' norms (no query latent without q_lora_rank)
