@@ -118,7 +118,13 @@ def main() -> None:
     p.add_argument("--shape", default="4b")
     p.add_argument("--backend", choices=["megatron", "fsdp"], default="megatron")
     p.add_argument("--transports", nargs="+", default=["tensor", "disk"])
-    p.add_argument("--buffer-size-mb", type=int, default=1024, help="--update-weight-buffer-size")
+    p.add_argument(
+        "--buffer-size-mb",
+        type=int,
+        nargs="+",
+        default=[1024],
+        help="--update-weight-buffer-size; several sizes are timed alternately in one run",
+    )
     p.add_argument("--expert-layouts", nargs="+", choices=["stacked", "per-expert"], default=["stacked"])
     p.add_argument("--repeats", type=int, default=5, help="timed syncs per case after a warm-up one")
     p.add_argument(
@@ -162,7 +168,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vime-sync-"))
     argv = trainer_flags(opts.backend, model_dir) + [
         "--prompt-data", "unused.jsonl", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
-        "--num-rollout", "1", "--update-weight-buffer-size", str(opts.buffer_size_mb * 2**20),
+        "--num-rollout", "1", "--update-weight-buffer-size", str(opts.buffer_size_mb[0] * 2**20),
         "--vllm-enforce-eager", "--vllm-max-model-len", "256",
         "--vllm-gpu-memory-utilization", "0.8" if split else "0.3",
     ] + (["--vllm-kv-cache-memory-bytes", str(int(opts.kv_cache_gib * 2**30))] if opts.kv_cache_gib else [])  # fmt: skip
@@ -182,11 +188,17 @@ def main() -> None:
         args, log_path=work / "engine.log", extra_args=EXTENSION, env={**env, "CUDA_VISIBLE_DEVICES": gpu}
     )
     cases = [
-        (transport, layout)
+        (transport, layout, buffer_mb)
         for transport in opts.transports
         for layout in (["per-expert"] if transport == "disk" else opts.expert_layouts)
+        for buffer_mb in opts.buffer_size_mb
     ]
-    runs: dict[str, list[dict]] = {f"{t}/{layout}": [] for t, layout in cases}
+    several_sizes = len(opts.buffer_size_mb) > 1
+
+    def case_name(transport: str, layout: str, buffer_mb: int) -> str:
+        return f"{transport}/{layout}" + (f"/{buffer_mb}MiB" if several_sizes else "")
+
+    runs: dict[str, list[dict]] = {case_name(*case): [] for case in cases}
     generator = torch.Generator(device="cuda").manual_seed(0)
     built: list[torch.Tensor] = []
     name = f"weight_sync_{opts.backend}_{opts.shape}_{'2gpu' if split else '1gpu'}"
@@ -195,8 +207,10 @@ def main() -> None:
     try:
         engine.start().wait_ready_sync()
         for repeat in range(opts.repeats + 1):
-            for transport_name, layout in cases:
+            for transport_name, layout, buffer_mb in cases:
+                case = case_name(transport_name, layout, buffer_mb)
                 args.update_weight_transport = transport_name
+                args.update_weight_buffer_size = buffer_mb * 2**20
                 transport = make_transport(args, [engine.url], str(work / "weights"), 0)
                 perturb(model, generator, built)
                 want = trainer.compute_log_probs([sample])[0]
@@ -242,15 +256,15 @@ def main() -> None:
                     "logprob_diff": diff,
                     "stale_logprob_diff": stale,
                 }
-                print(f"[bench] repeat {repeat} {transport_name}/{layout}: {run}", flush=True)
+                print(f"[bench] repeat {repeat} {case}: {run}", flush=True)
                 if diff > opts.logprob_tol or stale <= opts.logprob_tol:
                     raise SystemExit(
-                        f"{transport_name}/{layout}: engine vs trainer log-probs differ by {diff:.3g} after the sync "
+                        f"{case}: engine vs trainer log-probs differ by {diff:.3g} after the sync "
                         f"and by {stale:.3g} before it; the bound is {opts.logprob_tol} (--logprob-tol): the sync "
                         "did not load the trainer's weights, or the perturbation does not show"
                     )
                 if repeat > 0:
-                    runs[f"{transport_name}/{layout}"].append(run)
+                    runs[case].append(run)
             if repeat > 0:
                 write_summary(opts, name, ceiling, {case: summarize(r) for case, r in runs.items()})
     finally:
