@@ -74,9 +74,9 @@ def test_engine_command_model_path_overrides_hf_checkpoint():
 def test_engine_env_sizes_the_cpu_kv_cache_only_when_the_user_did_not(
     monkeypatch, flags, base_env, cuda, expected_kv_space
 ):
-    import torch
+    from vime.backends.vllm_utils import engine
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(engine, "cuda_available", lambda: cuda)
     base = {"PATH": "/bin", **base_env}
     env = build_engine_env(_args(*flags), base_env=base)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"

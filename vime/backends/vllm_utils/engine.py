@@ -30,6 +30,7 @@ import psutil
 
 from vime.backends.vllm_utils import control_auth, process_guard
 from vime.backends.vllm_utils.cpu_binding import cpu_bind_env
+from vime.utils.cuda_check import cuda_available
 from vime.utils.misc import free_port
 from vime.utils.passthrough_args import passthrough_cli_args
 from vime.utils.process_group import end_group, group_members
@@ -112,9 +113,7 @@ def build_engine_command(
 def server_module() -> str:
     """The module an engine runs: vLLM's OpenAI server, or on a machine without a GPU :mod:`.cpu_server`, the same
     server with its engine core forked (a third less CPU per start)."""
-    import torch
-
-    return SERVER_MODULES[0] if torch.cuda.is_available() else SERVER_MODULES[1]
+    return SERVER_MODULES[0] if cuda_available() else SERVER_MODULES[1]
 
 
 def ray_executor_launch(
@@ -204,8 +203,6 @@ def build_engine_env(
     routes, no usage stats, FlashInfer's all-reduce kept off NVLink multicast where the host turns it off, float32
     kept exact where the server serves float32 (:func:`_keep_float32_exact`), and on CPU a 1 GiB KV cache unless the
     user sized it (``VLLM_CPU_KVCACHE_SPACE``, ``--vllm-kv-cache-memory-bytes`` or ``--vllm-gpu-memory-utilization``)."""
-    import torch
-
     env = dict(os.environ if base_env is None else base_env)
     _keep_multicast_off(env)
     _keep_float32_exact(env, command)
@@ -219,7 +216,7 @@ def build_engine_env(
         or _user_passed(args, "vllm", "--kv-cache-memory-bytes")
         or _user_passed(args, "vllm", "--gpu-memory-utilization")
     )
-    if not torch.cuda.is_available() and not user_sized:
+    if not cuda_available() and not user_sized:
         env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KV_CACHE_GIB
     return env
 
