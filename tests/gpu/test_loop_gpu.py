@@ -85,7 +85,8 @@ def test_grpo_loop_learns_with_matching_log_probs(backend, layout, tmp_path):
     print(f"\n[{backend} {layout}] logprob diff max {max(diffs):.2e} | reward first5 {sum(rewards[:5]) / 5:.3f} "
           f"last5 {sum(rewards[-5:]) / 5:.3f} | step time {train[-1].get('time/train_s', 0):.2f}s train, "
           f"{train[-1].get('time/sync_s', 0):.2f}s sync, {train[-1].get('time/rollout_s', 0):.2f}s rollout")  # fmt: skip
-    assert max(diffs) < 1e-3, diffs
+    # fp32 on both sides: ~2e-7 (seen 1.8e-7 FSDP, 3.0e-7 Megatron); 1e-4 was the engine's TF32 attention
+    assert max(diffs) < 1e-5, diffs
     if layout != "split":  # every engine slept once per training step (vLLM logs each sleep); with
         # --offload-train also once at the start, while the trainer came back to load its checkpoint
         sleeps = NUM_ROLLOUT + (layout == "offload")
