@@ -65,6 +65,17 @@ THAW_S = 0.05
 # the run's health checks see an engine core frozen past --rollout-health-check-timeout (30 s) as hung: a poll that
 # kept the engines frozen longer than this (a slow /metrics on a loaded machine) strikes nothing and lets them run
 FREEZE_LIMIT_S = 4.0
+# how often the script's waits look again. A wait for a point the run is held at (a hold file) loses only idle wall time
+# by looking less often, while each look reads files, and every few looks scans every process on the machine (CPU
+# that a saturated CI machine takes from the run); the two waits for a point the run passes without stopping (a
+# rollout's end, whose engine counts are read before the next rollout's requests finish; a rollout logged, after which
+# the next sync's hold is placed) look as often as ever
+HELD_POLL_S = 0.2
+PASSING_POLL_S = 0.05
+STOP_CHECK_S = 5.0  # how often the run's processes are scanned for ones left stopped (LEFT_STOPPED_S is 30 s)
+# how often, while replacements are held out, the run's engine servers are scanned for new ones: a new API server
+# imports vLLM for well over 10 s before it can answer, so a scan each second stops it long before it is up
+HOLD_OUT_SCAN_S = 1.0
 
 
 def _prometheus(url: str, timeout: float = 5.0) -> dict[str, float]:
@@ -145,7 +156,13 @@ class FaultScript(threading.Thread):
         self._held_out = {}
 
     # ------------------------------------------------------------------------------------------ waiting
-    def wait(self, what: str, condition: Callable[[], object], timeout: float = STEP_TIMEOUT_S) -> object:
+    def wait(
+        self,
+        what: str,
+        condition: Callable[[], object],
+        timeout: float = STEP_TIMEOUT_S,
+        poll_s: float = HELD_POLL_S,
+    ) -> object:
         deadline = time.monotonic() + timeout
         while not self.done.is_set():
             if result := condition():
@@ -156,14 +173,14 @@ class FaultScript(threading.Thread):
                 self._check_stopped()
             if self._known_servers is not None and time.monotonic() > self._next_hold_out_check:
                 self._stop_replacements()
-            time.sleep(0.05)
+            time.sleep(poll_s)
         raise RuntimeError(f"fault script: the run ended while waiting for {what}")
 
     def _check_stopped(self) -> None:
         """Note the run's processes that stay stopped (state T) though no strike hung them on purpose: a poll that
         froze an engine and never thawed it would stall the run's next weight sync (seen once on CI as a pause that
         timed out), so the test names them instead."""
-        self._next_stop_check = time.monotonic() + 2.0
+        self._next_stop_check = time.monotonic() + STOP_CHECK_S
         now, stopped = time.monotonic(), set()
         for proc in self._marked():
             try:
@@ -199,7 +216,7 @@ class FaultScript(threading.Thread):
         (self.hold_dir / f"hold_{point}").unlink(missing_ok=True)
 
     def _stop_replacements(self) -> None:
-        self._next_hold_out_check = time.monotonic() + 0.3
+        self._next_hold_out_check = time.monotonic() + HOLD_OUT_SCAN_S
         for pid in set(self.engines().values()) - self._known_servers - self._held_out.keys():
             try:
                 server = psutil.Process(pid)
@@ -343,6 +360,7 @@ class FaultScript(threading.Thread):
         self.wait(
             f"rollout {rollout_id} generated",
             lambda: (self.rollouts_dir / f"rollout_{rollout_id}.json").exists(),
+            poll_s=PASSING_POLL_S,
         )
         # a busy CPU engine may answer slowly, and one left out would undercount
         after = self.engine_counts(timeout=60)
@@ -512,7 +530,7 @@ def _script_train(s: FaultScript) -> None:
     s.hold(6)
     s.strike_mid_rollout(4, router=True, hang=True, hold_out=True)
     s.hold_until_replacements_up(6, 2)
-    s.wait("rollout 6 generating", lambda: s.logged(5))
+    s.wait("rollout 6 generating", lambda: s.logged(5), poll_s=PASSING_POLL_S)
     s.hold(9)
     s.kill_in_sync(8)  # the sync after rollout 6: done again without the dead engine
     s.hold_until_replacements_up(9, 3)
