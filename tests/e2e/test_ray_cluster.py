@@ -7,6 +7,7 @@ detached actors.)"""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -25,6 +26,9 @@ from vime.utils.misc import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
+# As in a run's own local instance (vime.ray.run.init_ray): vime's work runs in actors, so the task workers Ray would
+# prestart for the first driver (one per CPU, each importing Ray: ~3 s of CPU apiece) would only sit idle.
+NO_PRESTARTED_WORKERS = {"prestart_worker_first_driver": False}
 
 
 @dataclass
@@ -77,6 +81,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     head = [
         str(Path(sys.executable).with_name("ray")), "start", "--head", "--port", str(port), "--num-cpus", "4",
         "--temp-dir", str(temp_dir), "--include-dashboard", "false", "--disable-usage-stats",
+        "--system-config", json.dumps(NO_PRESTARTED_WORKERS),
     ]  # fmt: skip
     try:
         started = subprocess.run(head, env=env, capture_output=True, text=True, timeout=180)

@@ -69,7 +69,14 @@ def two_nodes(monkeypatch, tmp_path):
     (tmp_path / "hold").mkdir()
     (tmp_path / "hold" / "hold_3").touch()
     monkeypatch.setenv(HOLD_ENV, str(tmp_path / "hold"))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    # no task workers prestarted for the first driver (as in a run's own local instance, vime.ray.run.init_ray): the
+    # run's work is in actors, so they would only sit idle, having imported Ray (~3 s of CPU apiece)
+    head = {
+        "num_cpus": 2,
+        "include_dashboard": False,
+        "_system_config": {"prestart_worker_first_driver": False},
+    }
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         second = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.ray import serving_session
@@ -117,21 +117,26 @@ def here(with_gpu: bool) -> BundleSlot:
 
 
 @ray.remote(num_cpus=0)
-def _bundle_slot(with_gpu: bool) -> BundleSlot:
-    return here(with_gpu)
+def _gpu_bundle_slot() -> BundleSlot:
+    return here(with_gpu=True)
 
 
 def bundle_slots(bundles: Bundles) -> list[BundleSlot]:
-    """The slot of each of ``bundles`` (free ones: a GPU bundle is asked through a short task holding its GPU)."""
-    on_gpu = bundles.resource == "GPU"
+    """The slot of each of ``bundles``. A CPU bundle's node is read from the placement group's table (a task in the
+    bundle would start a Ray worker, ~3 s of CPU, only to say where it is); a free GPU bundle is asked through a short
+    task holding its GPU (its id is the task's ``CUDA_VISIBLE_DEVICES``)."""
+    if bundles.resource == "CPU":
+        nodes = placement_group_table(bundles.group)["bundles_to_node_id"]
+        ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        return [BundleSlot(nodes[index], ips[nodes[index]], None) for index in bundles.indices]
     return ray.get(
         [
-            _bundle_slot.options(
-                num_gpus=1 if on_gpu else 0,
+            _gpu_bundle_slot.options(
+                num_gpus=1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=bundles.group, placement_group_bundle_index=index
                 ),
-            ).remote(on_gpu)
+            ).remote()
             for index in bundles.indices
         ]
     )
