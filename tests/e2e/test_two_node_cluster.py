@@ -134,6 +134,20 @@ def _ancestors(pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(pid).parents()]
 
 
+def _since_boot() -> float:
+    """Seconds since boot, the clock of a process's start time (``/proc/PID/stat``): ``time.time()`` against
+    ``Process.create_time()`` is off by the fraction of a second that ``/proc/stat``'s whole-second boot time drops."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs (a zombie has ended)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _kill_actor_then_find_its_successor(
     engines: dict, node_id: str, log_dir: Path, marker: str, done: threading.Event
 ) -> dict:
@@ -154,10 +168,12 @@ def _kill_actor_then_find_its_successor(
         proc.suspend()
     os.kill(engine["actor_pid"], signal.SIGKILL)
     found.update(slot=slot, killed=engine["actor_pid"], hung=len(hung))
+    # watched pid by pid, every 20 ms: a scan of every process (group_members) takes long enough on 2 busy cores to
+    # see them gone only after a quickly launched replacement has started
     deadline = time.monotonic() + 60
-    while group_members(engine["server_pid"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    found["hung_gone_at"] = time.time()
+    while any(_running(proc) for proc in hung) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    found["hung_gone_at"] = _since_boot()
     old = {e["actor_pid"] for e in engines.values()}
     while not done.is_set():
         for proc in psutil.process_iter(["cmdline"]):
@@ -170,9 +186,8 @@ def _kill_actor_then_find_its_successor(
                 ):
                     actor = proc.parents()[1]  # server -> process guard -> actor
                     if actor.name().startswith("ray::NodeEngine") and actor.pid not in old:
-                        found.update(
-                            actor_pid=actor.pid, chain=_ancestors(actor.pid), started=proc.create_time()
-                        )
+                        started = proc.create_time() - psutil.boot_time()  # both on the integer-second btime
+                        found.update(actor_pid=actor.pid, chain=_ancestors(actor.pid), started=started)
                         return found
             except (psutil.Error, IndexError):
                 pass

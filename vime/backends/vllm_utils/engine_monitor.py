@@ -279,7 +279,9 @@ class EngineMonitor:
         try:
             engine = self.make_engine(slot)
         finally:
+            stopping = time.monotonic()
             dead.stop(grace_s=1.0)  # dead or hung: what is left of it gets no use out of a graceful stop
+            logger.info("engine %d's dead server ended in %.2f s", slot, time.monotonic() - stopping)
         engine.start()
         now = time.monotonic()
         with self.lock:
