@@ -22,13 +22,11 @@ import psutil
 import pytest
 from conftest import RUN_MARKER_ENV, TEST_VLLM_FLAGS, marked_processes, new_marker, read_metrics, run_env
 
+from vime.ray.run import RAY_SYSTEM_CONFIG
 from vime.utils.misc import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
-# As in a run's own local instance (vime.ray.run.init_ray): vime's work runs in actors, so the task workers Ray would
-# prestart for the first driver (one per CPU, each importing Ray: ~3 s of CPU apiece) would only sit idle.
-NO_PRESTARTED_WORKERS = {"prestart_worker_first_driver": False}
 
 
 @dataclass
@@ -81,7 +79,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     head = [
         str(Path(sys.executable).with_name("ray")), "start", "--head", "--port", str(port), "--num-cpus", "4",
         "--temp-dir", str(temp_dir), "--include-dashboard", "false", "--disable-usage-stats",
-        "--system-config", json.dumps(NO_PRESTARTED_WORKERS),
+        "--system-config", json.dumps(RAY_SYSTEM_CONFIG),
     ]  # fmt: skip
     try:
         started = subprocess.run(head, env=env, capture_output=True, text=True, timeout=180)

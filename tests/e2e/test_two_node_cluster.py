@@ -43,6 +43,7 @@ from sync_hold import HOLD_ENV, HOOK, HOOK_DIR
 from vime.backends.vllm_utils.engine import SERVER_MODULES
 from vime.ray.engine_actor import NodeEngines
 from vime.ray.placement_group import EnginePlacement
+from vime.ray.run import RAY_SYSTEM_CONFIG
 from vime.utils.process_group import group_members
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -69,13 +70,11 @@ def two_nodes(monkeypatch, tmp_path):
     (tmp_path / "hold").mkdir()
     (tmp_path / "hold" / "hold_3").touch()
     monkeypatch.setenv(HOLD_ENV, str(tmp_path / "hold"))
-    # no task workers prestarted for the first driver (as in a run's own local instance, vime.ray.run.init_ray): the
-    # run's work is in actors, so they would only sit idle, having imported Ray (~3 s of CPU apiece)
     head = {
         "num_cpus": 2,
         "include_dashboard": False,
-        "_system_config": {"prestart_worker_first_driver": False},
-    }
+        "_system_config": RAY_SYSTEM_CONFIG,
+    }  # as a run's own Ray
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         second = cluster.add_node(num_cpus=1)

@@ -24,6 +24,9 @@ from vime.utils.reaper import start_reaper
 from vime.utils.tracking import Tracker
 
 WORKER_EXTENSION = ["--worker-extension-cls", WORKER_EXTENSION_CLS]
+# Ray settings of a run's own local instance (and of the tests' clusters): vime's work runs in actors, so the task
+# workers Ray would prestart for the first driver would only sit idle, each having imported Ray (~1.5-3 CPU-s)
+RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
 def run_dir(args: argparse.Namespace) -> Path:
@@ -73,9 +76,7 @@ def init_ray(args: argparse.Namespace) -> None:
         log_to_driver=False,
         include_dashboard=False,
         runtime_env=runtime_env,
-        # vime's work runs in actors; the task workers Ray would start for the first driver would sit idle, each
-        # having imported Ray (about 1.5 s of CPU apiece)
-        _system_config={"prestart_worker_first_driver": False},
+        _system_config=RAY_SYSTEM_CONFIG,
     )
     start_reaper()
 
