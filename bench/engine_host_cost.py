@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 
 from bench.rollout_throughput import (  # noqa: E402
-    engine_flags,
+    offline_flags,
     post_all,
     prepare_workload,
     send_completions,
@@ -94,10 +94,10 @@ def measured(batch: Callable[[], int], front_end: str, repeats: int) -> dict[str
     }
 
 
-def bench_offline(opts, model_dir: Path, prompt_ids: list[list[int]]) -> dict[str, dict[str, float]]:
+def bench_offline(opts, args, model_dir: Path, prompt_ids: list[list[int]]) -> dict[str, dict[str, float]]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), seed=0, **engine_flags(opts))
+    llm = LLM(str(model_dir), **offline_flags(opts, args))
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
 
     def generated_tokens(params: SamplingParams) -> int:
@@ -174,7 +174,7 @@ def main() -> None:
     gated = "--enable-scale-out" in build_vllm_serve_parser()._option_string_actions
     model_dir, args, prompt_ids = prepare_workload(opts, ["--vllm-enable-scale-out"] if gated else [])
 
-    offline = {} if opts.skip_offline else bench_offline(opts, model_dir, prompt_ids)
+    offline = {} if opts.skip_offline else bench_offline(opts, args, model_dir, prompt_ids)
     served = bench_served(args, prompt_ids, opts, Path(args.log_dir))
     name, workload = workload_record(opts, "engine_host_cost")
     rates = {f"offline {k}": v["tok_per_s"] for k, v in offline.items()} | {
