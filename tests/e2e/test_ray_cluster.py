@@ -80,6 +80,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         str(Path(sys.executable).with_name("ray")), "start", "--head", "--port", str(port), "--num-cpus", "4",
         "--temp-dir", str(temp_dir), "--include-dashboard", "false", "--disable-usage-stats",
         "--system-config", json.dumps(RAY_SYSTEM_CONFIG),
+        # no autoscaler monitor (nothing scales here) and no log monitor (the drivers run with log_to_driver=False)
+        "--no-monitor", "--include-log-monitor", "false",
     ]  # fmt: skip
     try:
         started = subprocess.run(head, env=env, capture_output=True, text=True, timeout=180)

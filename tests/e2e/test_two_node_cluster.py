@@ -74,7 +74,9 @@ def two_nodes(monkeypatch, tmp_path):
         "num_cpus": 2,
         "include_dashboard": False,
         "_system_config": RAY_SYSTEM_CONFIG,
-    }  # as a run's own Ray
+        "no_monitor": True,  # no autoscaler monitor: nothing scales here
+        "include_log_monitor": False,  # no log monitor: the driver runs with log_to_driver=False
+    }  # as a run's own Ray, less the two daemons that ray.init cannot leave out
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         second = cluster.add_node(num_cpus=1)

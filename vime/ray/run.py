@@ -70,6 +70,9 @@ def init_ray(args: argparse.Namespace) -> None:
     # Ray takes the machine's outward address as the node's, and binds its servers to every interface, unless
     # that address is loopback, which it gives only where it runs without clusters (its Windows/macOS switch).
     ray_constants.ENABLE_RAY_CLUSTER = False
+    # ray.init (2.60) starts the dashboard head, log monitor and autoscaler monitor (and the raylet both agents)
+    # whatever its arguments, system config or RAY_* variables: ~2.5 CPU-s a start with bytecode caches, ~6.3 without
+    # (bench/ray_startup_cost.py)
     ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, num_bundles(args)),
