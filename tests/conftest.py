@@ -17,6 +17,7 @@ from collections import defaultdict
 import psutil
 import pytest
 
+from vime.backends.vllm_utils import fork_server
 from vime.backends.vllm_utils.engine import SERVER_MODULES
 
 WORKER_ENV = "VIME_TEST_WORKER"
@@ -44,14 +45,14 @@ class EngineCounter:
         self._scan()
 
     def _mine(self, proc: psutil.Process) -> bool:
-        return self.worker is None or proc.environ().get(WORKER_ENV) == self.worker
+        return self.worker is None or fork_server.environ_of(proc).get(WORKER_ENV) == self.worker
 
     def _scan(self) -> None:
         # asked of each process, not through process_iter(attrs): psutil shares its Process objects between threads'
         # process_iter calls, so another thread's call (a fault script's) can replace ``proc.info`` meanwhile
         for proc in psutil.process_iter():
             try:
-                cmdline = proc.cmdline()
+                cmdline = fork_server.command_of(proc)
                 # the server itself (not its process guard)
                 if (
                     cmdline[1:2] == ["-m"]

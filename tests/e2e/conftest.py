@@ -12,7 +12,10 @@ import importlib.util
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from vime.backends.vllm_utils import fork_server
 from vime.backends.vllm_utils.control_client import EngineGroup
 from vime.backends.vllm_utils.engine import ServerProcess, VLLMEngine
 from vime.backends.vllm_utils.external_engines import WORKER_EXTENSION_CLS
@@ -57,6 +61,27 @@ def require_engines() -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _engines_installed() -> None:
     require_engines()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server(_engines_installed) -> Iterator[None]:
+    """One fork server per test process (xdist worker), set in the environment every run inherits: each CPU engine a
+    test starts, through vime or the fixtures, is forked with vLLM's server already imported (about 5 CPU-s a start
+    instead of 12: :mod:`vime.backends.vllm_utils.fork_server`). A test of which process owns an engine unsets it."""
+    path = Path(tempfile.mkdtemp(prefix="vime-fork-")) / "fork.sock"
+    server = subprocess.Popen(
+        [sys.executable, "-m", fork_server.__name__, str(path), "vllm.entrypoints.openai.api_server"]
+    )
+    deadline = time.monotonic() + 300
+    while not path.exists() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert path.exists(), f"the fork server did not start (exit code {server.poll()})"
+    os.environ[fork_server.SOCKET_ENV] = str(path)
+    yield
+    del os.environ[fork_server.SOCKET_ENV]
+    server.terminate()
+    server.wait(timeout=30)
+    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -310,7 +335,10 @@ def marked_processes(marker: str) -> list[str]:
     found = []
     for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(RUN_MARKER_ENV) == marker:
+            if (
+                proc.info["status"] != psutil.STATUS_ZOMBIE
+                and fork_server.environ_of(proc).get(RUN_MARKER_ENV) == marker
+            ):
                 found.append(f"{proc.pid} {proc.info['name']} {' '.join(proc.info['cmdline'] or [])[:120]}")
         except psutil.Error:
             pass
@@ -331,7 +359,7 @@ def non_loopback_listeners(marker: str) -> list[str]:
     pids = {}
     for proc in psutil.process_iter(["name"]):
         try:
-            if proc.environ().get(RUN_MARKER_ENV) == marker:
+            if fork_server.environ_of(proc).get(RUN_MARKER_ENV) == marker:
                 pids[proc.pid] = proc.info["name"]
         except psutil.Error:
             pass

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import requests
 
+from vime.backends.vllm_utils import fork_server
 from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
 from vime.backends.vllm_utils.engine import EngineStartError
 from vime.backends.vllm_utils.router import (
@@ -203,7 +204,7 @@ def test_tiny_model_serves_tokens_and_logprobs_and_its_chat_template(served):
     (server,) = [
         c
         for c in psutil.Process(engine.proc.pid).children(recursive=True)
-        if "vime.backends.vllm_utils.cpu_server" in c.cmdline()
+        if "vime.backends.vllm_utils.cpu_server" in fork_server.command_of(c)
     ]
     assert [c.name() for c in server.children()] == ["VLLM::EngineCore"], [
         c.cmdline() for c in server.children()

@@ -44,6 +44,7 @@ from conftest import (
 from rollout_hold import FUNCTION as HELD_ROLLOUT
 from sync_hold import HOLD_ENV, HOOK, HOOK_DIR
 
+from vime.backends.vllm_utils import fork_server
 from vime.backends.vllm_utils.engine import SERVER_MODULES
 from vime.backends.vllm_utils.engine_monitor import PORT_TAKEN
 from vime.ray.rollout import LOG_NAME
@@ -245,7 +246,7 @@ class FaultScript(threading.Thread):
         for proc in psutil.process_iter(["cmdline"]):
             try:
                 if (
-                    proc.environ().get(RUN_MARKER_ENV) == self.marker
+                    fork_server.environ_of(proc).get(RUN_MARKER_ENV) == self.marker
                     and proc.status() != psutil.STATUS_ZOMBIE
                 ):
                     found.append(proc)
@@ -257,7 +258,10 @@ class FaultScript(threading.Thread):
         """Engine URL -> its API server's pid."""
         found = {}
         for proc in self._marked():
-            cmdline = proc.info["cmdline"] or []
+            try:
+                cmdline = fork_server.command_of(proc)
+            except psutil.Error:
+                continue
             if cmdline[1:2] == ["-m"] and cmdline[2:3] and cmdline[2] in SERVER_MODULES:
                 found[f"http://127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"] = proc.pid
         return found

@@ -22,6 +22,7 @@ import psutil
 import pytest
 from conftest import RUN_MARKER_ENV, TEST_VLLM_FLAGS, marked_processes, new_marker, read_metrics, run_env
 
+from vime.backends.vllm_utils import fork_server
 from vime.ray.run import RAY_SYSTEM_CONFIG
 from vime.utils.misc import free_port
 
@@ -43,7 +44,7 @@ class Cluster:
 def _kill_marked(marker: str) -> None:
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(RUN_MARKER_ENV) == marker:
+            if fork_server.environ_of(proc).get(RUN_MARKER_ENV) == marker:
                 proc.kill()
         except psutil.Error:
             pass

@@ -25,6 +25,7 @@ import pytest
 import requests
 from conftest import POOL_CONTEXT
 
+from vime.backends.vllm_utils import fork_server
 from vime.backends.vllm_utils.engine import VLLMEngine
 from vime.backends.vllm_utils.engine_monitor import core_problem
 from vime.backends.vllm_utils.router import register_workers
@@ -145,7 +146,7 @@ def test_a_request_on_a_hung_engine_comes_back_through_the_timeout_and_a_too_lon
     # the fault-tolerance monitor's core probe on the real engine: with only its engine core stopped, vLLM's /health
     # still answers 200 (it reports a crashed core, not a hung one), the probe does not, and answers again once the
     # core runs
-    (server,) = [c for c in psutil.Process(hung.proc.pid).children() if "--port" in c.cmdline()]
+    (server,) = [c for c in psutil.Process(hung.proc.pid).children() if "--port" in fork_server.command_of(c)]
     cores = server.children()
     assert [c.name() for c in cores] == ["VLLM::EngineCore"]
     assert core_problem(hung.url, CORE_PROBE_S) is None

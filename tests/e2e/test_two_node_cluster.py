@@ -40,6 +40,7 @@ from conftest import (
 )
 from sync_hold import HOLD_ENV, HOOK, HOOK_DIR
 
+from vime.backends.vllm_utils import fork_server
 from vime.backends.vllm_utils.engine import SERVER_MODULES
 from vime.ray.engine_actor import NodeEngines
 from vime.ray.placement_group import EnginePlacement
@@ -64,6 +65,9 @@ def two_nodes(monkeypatch, tmp_path):
 
     marker = new_marker("two-nodes")
     monkeypatch.setenv(RUN_MARKER_ENV, marker)
+    monkeypatch.delenv(
+        fork_server.SOCKET_ENV
+    )  # each node's engines are its own processes (the test checks whose)
     for key, value in OFFLINE_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), HOOK_DIR]))

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from vime.backends.vllm_utils import engine as engine_mod
-from vime.backends.vllm_utils import process_guard
+from vime.backends.vllm_utils import fork_server, process_guard
 from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
 from vime.backends.vllm_utils.engine import (
     EngineStartError,
@@ -167,12 +167,42 @@ def test_router_command_passes_router_flags_after_a_free_metrics_port():
     assert len(build_router_command(_args(), "127.0.0.1", 30001)) == 7
 
 
+@pytest.fixture(params=["popen", "forked"])
+def launch(request, tmp_path, monkeypatch) -> str:
+    """How a server's ``python -m`` command starts: under a process guard started by Popen, or forked (guard and
+    server) by a fork server (:mod:`vime.backends.vllm_utils.fork_server`, started here, importing nothing)."""
+    if request.param == "forked":
+        path = tmp_path / "fork.sock"
+        env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+        server = subprocess.Popen([sys.executable, "-m", fork_server.__name__, str(path)], env=env)
+        request.addfinalizer(server.kill)
+        deadline = time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setenv(fork_server.SOCKET_ENV, str(path))
+    return request.param
+
+
+def _module_command(tmp_path, script: str) -> list[str]:
+    """``python -m fake_server``, ``script`` written as that module in ``tmp_path`` (run with ``PYTHONPATH``)."""
+    (tmp_path / "fake_server.py").write_text(script)
+    return [sys.executable, "-m", "fake_server"]
+
+
 def _server(tmp_path, script: str) -> ServerProcess:
-    command = [sys.executable, "-c", script]
-    return ServerProcess("fake server", command, {}, "127.0.0.1", 1, tmp_path / "s.log", start_timeout=60)
+    env = {"PYTHONPATH": str(tmp_path)}
+    return ServerProcess(
+        "fake server",
+        _module_command(tmp_path, script),
+        env,
+        "127.0.0.1",
+        1,
+        tmp_path / "s.log",
+        start_timeout=60,
+    )
 
 
-def test_start_error_names_command_exit_code_and_log_tail(tmp_path):
+def test_start_error_names_command_exit_code_and_log_tail(launch, tmp_path):
     script = "import sys\nfor i in range(100): print('line', i)\nsys.exit(3)"
     server = _server(tmp_path, script).start()
     start = time.monotonic()
@@ -180,12 +210,29 @@ def test_start_error_names_command_exit_code_and_log_tail(tmp_path):
         server.wait_ready_sync()
     assert time.monotonic() - start < 10
     message = str(err.value)
-    assert "exited with code 3" in message and "range(100)" in message  # the command
+    assert "exited with code 3" in message and "fake_server" in message  # the command
     assert "line 99" in message and "line 60" in message and "line 59" not in message  # the last 40 lines
     assert not server.is_alive()
 
 
-def test_start_timeout_stops_the_whole_group(tmp_path):
+def test_a_servers_processes_show_its_environment_and_command(launch, tmp_path):
+    # forked ones too: their /proc/PID/environ is empty and their command line is the process title
+    server = _server(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)")
+    server.env["VIME_TEST_MARK"] = "m1"
+    with server:
+        deadline = time.monotonic() + 10
+        while "up" not in server.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        members = server.live_processes()
+        assert len(members) == 2  # the guard and the server
+        assert [fork_server.environ_of(p).get("VIME_TEST_MARK") for p in members] == ["m1", "m1"]
+        commands = [fork_server.command_of(p) for p in members]
+        assert [c[1:] for c in commands if c[1:3] == ["-m", "fake_server"]] == [["-m", "fake_server"]], (
+            commands
+        )
+
+
+def test_start_timeout_stops_the_whole_group(launch, tmp_path):
     # The leader starts a child in its group, then never serves /health.
     script = "import subprocess, time\nsubprocess.Popen(['sleep', '300'])\nprint('up', flush=True)\ntime.sleep(300)"
     server = _server(tmp_path, script).start()
@@ -228,13 +275,16 @@ time.sleep(300)
     [(SERVER_SCRIPT, False), (SERVER_SCRIPT, True), (HANGING_SERVER_SCRIPT, True)],
     ids=["launcher-killed", "guard-killed-too", "guard-killed-server-hangs"],
 )
-def test_servers_die_with_their_launcher_even_when_it_is_sigkilled(tmp_path, server_script, guard_killed_too):
+def test_servers_die_with_their_launcher_even_when_it_is_sigkilled(
+    launch, tmp_path, server_script, guard_killed_too
+):
     # The launcher is SIGKILLed, so nothing runs stop(); Ray also SIGKILLs a dead actor's direct children (the
     # guard). Either way the whole group must go, even a server that ignores the SIGTERM (the guard's watchdog).
+    command, env = _module_command(tmp_path, server_script), {"PYTHONPATH": str(tmp_path)}
     launcher_script = (
         "import sys, time\n"
         "from vime.backends.vllm_utils.engine import ServerProcess\n"
-        f"s = ServerProcess('fake', [sys.executable, '-c', {server_script!r}], {{}}, '127.0.0.1', 1, {str(tmp_path / 's.log')!r}, 60)\n"
+        f"s = ServerProcess('fake', {command!r}, {env!r}, '127.0.0.1', 1, {str(tmp_path / 's.log')!r}, 60)\n"
         "s.start()\nprint(s.proc.pid, flush=True)\ntime.sleep(300)\n"
     )
     launcher = subprocess.Popen([sys.executable, "-c", launcher_script], stdout=subprocess.PIPE, text=True)
@@ -264,7 +314,7 @@ def _members(pgid: int) -> list[int]:
     return alive
 
 
-def test_nothing_the_guard_started_outlives_stop(tmp_path):
+def test_nothing_the_guard_started_outlives_stop(launch, tmp_path):
     # The guard's watchdog lives in a session of its own, outside the group stop() ends: the guard ends it too.
     server = _server(tmp_path, SERVER_SCRIPT).start()
     guard = psutil.Process(server.proc.pid)
@@ -281,7 +331,7 @@ def test_nothing_the_guard_started_outlives_stop(tmp_path):
     assert left == []
 
 
-def test_stop_escalates_to_sigkill_and_the_safety_net_stops_running_servers(tmp_path):
+def test_stop_escalates_to_sigkill_and_the_safety_net_stops_running_servers(launch, tmp_path):
     script = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(300)"
     server = _server(tmp_path, script)
     with server:

@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from vime.backends.vllm_utils import control_auth, process_guard
+from vime.backends.vllm_utils import control_auth, fork_server, process_guard
 from vime.backends.vllm_utils.cpu_binding import cpu_bind_env
 from vime.utils.cuda_check import cuda_available
 from vime.utils.misc import free_port
@@ -259,7 +259,7 @@ class ServerProcess:
             )
             os.close(fd)
         self.log_path = Path(log_path)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | fork_server.ForkedProcess | None = None
         self._stopped = False
         self._log_file = None
 
@@ -274,15 +274,20 @@ class ServerProcess:
             raise RuntimeError(f"{self.name} at {self.url} was already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
-        guarded = [sys.executable, "-m", process_guard.__name__, str(os.getpid()), "--", *self.command]
-        self.proc = subprocess.Popen(
-            guarded,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so stop() (and the guard) reach every child
-        )
+        if fork_server.forkable(
+            self.command
+        ):  # the same guard, forked from a process that imported the server
+            self.proc = fork_server.start(self.command, self.env, self._log_file)
+        else:
+            guarded = [sys.executable, "-m", process_guard.__name__, str(os.getpid()), "--", *self.command]
+            self.proc = subprocess.Popen(
+                guarded,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, so stop() (and the guard) reach every child
+            )
         _RUNNING.add(self)
         return self
 

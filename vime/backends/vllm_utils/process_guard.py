@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from vime.utils.process_group import end_group
 from vime.utils.reaper import ParentDied, arm_parent_death, term_on_parent_death
@@ -42,6 +44,55 @@ def watch(guard_pid: int) -> int:
     return 0
 
 
+class Child(Protocol):
+    """What the guard needs of the process it runs (a :class:`subprocess.Popen`, or a forked one)."""
+
+    def poll(self) -> int | None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+def start_watchdog() -> subprocess.Popen:
+    """The guard's watchdog (``--watch``), in a session of its own so Ray does not reach it when it kills the guard."""
+    return subprocess.Popen(
+        [sys.executable, "-m", __spec__.name, "--watch", str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # out of the group the guard ends (and out of Ray's reach when it kills the guard)
+    )
+
+
+def supervise(
+    start: Callable[[], Child], watchdog: subprocess.Popen, launcher_gone: Callable[[], bool] = lambda: False
+) -> int:
+    """Start the child (``start()``) and wait for it; on SIGTERM/SIGINT/SIGHUP (handled from before the start), or
+    once ``launcher_gone()``, SIGTERM it and SIGKILL it :data:`GRACE_S` seconds later. Then end the guard's process
+    group and its ``watchdog``; return the child's exit code (128 + signal number for a signal)."""
+    kill_at: list[float] = []  # set once asked to stop: when to escalate to SIGKILL
+    started: list[Child] = []
+
+    def stop(_signum: int | None = None, _frame=None) -> None:
+        if not kill_at:
+            kill_at.append(time.monotonic() + GRACE_S)
+            for child in started:
+                child.terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    started.append(child := start())
+    if kill_at:  # asked to stop while it started
+        child.terminate()
+    while (returncode := child.poll()) is None:
+        if not kill_at and launcher_gone():
+            stop()
+        if kill_at and time.monotonic() > kill_at[0]:
+            child.kill()
+        time.sleep(0.2)
+    end_group(os.getpgrp(), GRACE_S)
+    watchdog.kill()  # the group is ended: nothing left for it to do
+    watchdog.wait()
+    return returncode if returncode >= 0 else 128 - returncode
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "--watch":
         return watch(int(argv[1]))
@@ -54,31 +105,10 @@ def main(argv: list[str]) -> int:
     term_on_parent_death()
     if os.getppid() != int(argv[0]):  # the launcher died before the line above
         return 1
-    watchdog = subprocess.Popen(
-        [sys.executable, "-m", __spec__.name, "--watch", str(os.getpid())],
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,  # out of the group the guard ends (and out of Ray's reach when it kills the guard)
-    )
+    watchdog = start_watchdog()
     # The command is SIGTERMed when the guard dies too: Ray SIGKILLs the direct children of a dead actor (the
     # guard), and a SIGTERMed vLLM server shuts its engine core down itself.
-    child = subprocess.Popen(argv[2:], preexec_fn=term_on_parent_death)
-    kill_at: list[float] = []  # set once asked to stop: when to escalate to SIGKILL
-
-    def stop(_signum: int, _frame) -> None:
-        if not kill_at:
-            kill_at.append(time.monotonic() + GRACE_S)
-            child.terminate()
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, stop)
-    while (returncode := child.poll()) is None:
-        if kill_at and time.monotonic() > kill_at[0]:
-            child.kill()
-        time.sleep(0.2)
-    end_group(os.getpgrp(), GRACE_S)
-    watchdog.kill()  # the group is ended: nothing left for it to do
-    watchdog.wait()
-    return returncode if returncode >= 0 else 128 - returncode
+    return supervise(lambda: subprocess.Popen(argv[2:], preexec_fn=term_on_parent_death), watchdog)
 
 
 if __name__ == "__main__":
