@@ -30,7 +30,7 @@ class EngineCounter:
         self.worker = worker
         self.interval_s = interval_s
         self.current_file: str | None = None
-        self.seen: set[tuple[int, float]] = set()  # (pid, create_time): a pid may be reused
+        self.seen: set[tuple[int, float]] = set()  # (group, its leader's create_time): a pid may be reused
         self.per_file: dict[str, int] = defaultdict(int)
         self.wall_s: dict[str, float] = defaultdict(float)
         self._stop = threading.Event()
@@ -60,11 +60,13 @@ class EngineCounter:
                     and cmdline[2] in SERVER_MODULES
                     and self._mine(proc)
                 ):
-                    key = (proc.pid, proc.create_time())
+                    # one engine, one process group (its guard's): its engine core starts under the server's name
+                    group = os.getpgid(proc.pid)
+                    key = (group, psutil.Process(group).create_time())
                     if key not in self.seen:
                         self.seen.add(key)
                         self.per_file[self.current_file or "(between tests)"] += 1
-            except psutil.Error:
+            except (psutil.Error, ProcessLookupError):
                 pass
 
     def _poll(self) -> None:

@@ -65,7 +65,7 @@ def rename(text: str) -> str:
 def renamed_examples(dest: Path) -> Path:
     """A renamed copy of the stored slime tree (``dest/examples/...``); returns ``dest``."""
     for path in sorted((SLIME_DATA / "examples").rglob("*")):
-        if path.is_file():
+        if path.is_file() and "__pycache__" not in path.parts:
             target = dest / path.relative_to(SLIME_DATA)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(rename(path.read_text()))

@@ -171,6 +171,7 @@ def test_router_command_passes_router_flags_after_a_free_metrics_port():
 def launch(request, tmp_path, monkeypatch) -> str:
     """How a server's ``python -m`` command starts: under a process guard started by Popen, or forked (guard and
     server) by a fork server (:mod:`vime.backends.vllm_utils.fork_server`, started here, importing nothing)."""
+    monkeypatch.delenv(fork_server.SOCKET_ENV, raising=False)  # the e2e tests' one, when they ran first here
     if request.param == "forked":
         path = tmp_path / "fork.sock"
         env = {**os.environ, "PYTHONPATH": str(tmp_path)}
