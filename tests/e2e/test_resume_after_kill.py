@@ -1,7 +1,7 @@
 """SIGKILL ``train.py`` after a checkpoint: every process of the run goes with it (its own local Ray instance too),
 and ``--load`` resumes at the next rollout id with the same data order and no prompt duplicated or skipped. While it
-runs, none of its processes (Ray's, the driver, the trainer's stores, router) listens beyond loopback (its engines are
-pooled ones it attaches to: test_fault_tolerance.py checks the listeners of engines a run starts)."""
+runs, none of its processes (Ray's, the driver, the trainer's stores, router, engine) listens beyond loopback. The
+killed run starts its own engine, which must go with it; the resumed run attaches to a pooled one."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    TEST_VLLM_FLAGS,
     new_marker,
     non_loopback_listeners,
     read_metrics,
@@ -31,6 +32,8 @@ NUM_PROMPTS, BATCH, NUM_ROLLOUT, SAVE_INTERVAL = (
 
 
 def _argv(model_dir: Path, tmp_path: Path, name: str, engines: list[str]) -> list[str]:
+    """The run's command, attached to ``engines``, or with no ``engines`` starting one of its own."""
+    own = ["--rollout-num-gpus", "1", *TEST_VLLM_FLAGS]
     return [
         sys.executable, str(REPO / "train.py"), "--train-backend", "fsdp", "--hf-checkpoint", str(model_dir),
         "--prompt-data", f"{model_dir}/train.jsonl@[0:{NUM_PROMPTS}]", "--rollout-shuffle", "--rm-type", "exact",
@@ -38,7 +41,8 @@ def _argv(model_dir: Path, tmp_path: Path, name: str, engines: list[str]) -> lis
         "--num-rollout", str(NUM_ROLLOUT), "--lr", "1e-3", "--save-interval", str(SAVE_INTERVAL),
         "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / name),
         "--save-debug-rollout-data", str(tmp_path / name / "rollout_{rollout_id}.json"),
-        "--rollout-function-path", "rollout_plugins.stall_at_rollout", "--rollout-external-engine-addrs", *engines,
+        "--rollout-function-path", "rollout_plugins.stall_at_rollout",
+        *(["--rollout-external-engine-addrs", *engines] if engines else own),
     ]  # fmt: skip
 
 
@@ -67,7 +71,7 @@ def test_sigkill_after_save_then_load_resumes_with_the_same_prompts(tiny_model_d
     killed_marker, resumed_marker = new_marker("killed"), new_marker("resumed")
     with open(tmp_path / "killed.log", "w") as log:
         killed = subprocess.Popen(
-            _argv(tiny_model_dir, tmp_path, "killed", engine_pool.addrs(1)), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+            _argv(tiny_model_dir, tmp_path, "killed", []), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
             env=_env(killed_marker, VIME_TEST_STALL_AT="4"),
         )  # fmt: skip
         # The run checkpoints rollout 2, completes rollout 3, then stalls generating rollout 4: kill it there.
@@ -82,7 +86,7 @@ def test_sigkill_after_save_then_load_resumes_with_the_same_prompts(tiny_model_d
     assert exposed == [], "a local run listens beyond loopback"
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     # Ray's own agents would outlive a SIGKILLed driver by a minute without vime.utils.reaper
-    assert wait_until_no_marked_processes(killed_marker, timeout=20) == [], "the killed run left processes"
+    assert wait_until_no_marked_processes(killed_marker, timeout=30) == [], "the killed run left processes"
 
     resumed = subprocess.run(
         _argv(tiny_model_dir, tmp_path, "resumed", engine_pool.addrs(1)), capture_output=True, text=True, timeout=600, cwd=tmp_path,

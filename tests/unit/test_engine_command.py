@@ -218,7 +218,8 @@ def test_start_error_names_command_exit_code_and_log_tail(launch, tmp_path):
 
 def test_a_servers_processes_show_its_environment_and_command(launch, tmp_path):
     # forked ones too: their /proc/PID/environ is empty and their command line is the process title
-    server = _server(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)")
+    script = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(300)"
+    server = _server(tmp_path, script)
     server.env["VIME_TEST_MARK"] = "m1"
     with server:
         deadline = time.monotonic() + 10
@@ -231,6 +232,11 @@ def test_a_servers_processes_show_its_environment_and_command(launch, tmp_path):
         assert [c[1:] for c in commands if c[1:3] == ["-m", "fake_server"]] == [["-m", "fake_server"]], (
             commands
         )
+        # a server that outlives its SIGKILLed guard (until the watchdog ends it) still shows whose it is
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        (left,) = [p for p in members if p.pid != server.proc.pid]
+        assert left.is_running() and fork_server.environ_of(left).get("VIME_TEST_MARK") == "m1"
 
 
 def test_start_timeout_stops_the_whole_group(launch, tmp_path):
