@@ -116,8 +116,11 @@ def _engine_url(output: str) -> str:
 
 
 def _checkpointed(ckpt: Path, rollout_id: int) -> bool:
+    """Rollout ``rollout_id``'s checkpoint is whole: the trainer's (which moves the latest-iteration marker) and the
+    data buffer's after it (a kill between the two leaves a checkpoint --load refuses: noted in issue 22's stop 36)."""
     path = ckpt / "latest_checkpointed_iteration.txt"
-    return path.exists() and path.read_text().strip() == str(rollout_id)
+    marked = path.exists() and path.read_text().strip() == str(rollout_id)
+    return marked and (ckpt / f"iter_{rollout_id:07d}" / "data_source.json").exists()
 
 
 def test_engines_outlive_a_killed_trainer_and_serve_its_resubmission(tiny_model_dir, tmp_path, cluster):
