@@ -33,6 +33,8 @@ REPORTED = [
     "time/rollout_s", "time/train_s", "time/sync_s", "time/onload_s", "time/offload_s", "offload/freed_gib",
     "weight_sync/gb_per_s", "rollout/tokens_per_s", "train/tokens_per_s", "train/step_time_s",
     "train/train_rollout_logprob_abs_diff",
+    # issue 24's colocated target: the first wake call -> resume, then the KV cache's wake (after the offload)
+    "weight_sync/weights_wake_s", "weight_sync/wake_to_resume_s", "weight_sync/kv_cache_wake_s",
     # the weights check (--check-weight-update-equal, on by default): its share of the step is read off these
     "weight_sync/checksum_s", "weight_sync/check_trainer_s", "weight_sync/check_s",
 ]  # fmt: skip
@@ -184,7 +186,9 @@ def main() -> None:
             "median_of_steps": figures,
             "summary": f"{name}: step {step_s:.1f} s = rollout {figures['time/rollout_s']:.1f} + train "
             f"{figures['time/train_s']:.1f} + sync {figures['time/sync_s']:.2f} (weights check {check_s:.3f}, "
-            f"{check_s / step_s:.2%} of the step); {tokens / figures['time/rollout_s']:,.0f} "
+            f"{check_s / step_s:.2%} of the step; first wake -> resume "
+            f"{figures.get('weight_sync/wake_to_resume_s', float('nan')):.3f} s, KV cache wake "
+            f"{figures.get('weight_sync/kv_cache_wake_s', float('nan')):.3f} s); {tokens / figures['time/rollout_s']:,.0f} "
             f"generated tok/s, train MFU {mfu:.0%}, GPU peak {peak_gib:.0f} GiB",
         },
     )

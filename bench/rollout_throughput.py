@@ -49,6 +49,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may have touched CUDA
 
+SIDES = ["offline", "direct", "direct_via_router", "vime"]
 # Per-round ratios reported, as numerator and denominator sides.
 RATIOS = {
     "vime_over_offline": ("vime", "offline"),
@@ -250,6 +251,7 @@ def side_batches(opts, args, llm, manager, prompt_ids: list[list[int]]) -> dict[
         "direct_via_router": lambda: run(drive_directly(router_url, model, prompt_ids, opts)),
         "vime": vime_batch(manager, args, rollout_ids, sample_seeds=False),
     }
+    batches = {side: batch for side, batch in batches.items() if side in opts.sides}
     if opts.offline_without_logprobs:
         batches["offline_no_logprobs"] = offline_batch(llm, prompt_ids, opts, logprobs=None)
     if opts.sample_seeds:
@@ -263,9 +265,11 @@ def report(side: str, round_index: int, rate: float) -> None:
     print(f"[bench] {when} {side}: {rate:,.0f} tok/s", flush=True)
 
 
-def measure(opts, args, model_dir: Path, prompt_ids: list[list[int]]) -> tuple[dict[str, list[float]], dict]:
-    """Start the served engine, then the offline one, check both KV caches and run the rounds; the rates per side
-    and the KV cache tokens of each engine."""
+def measure(
+    opts, args, model_dir: Path, prompt_ids: list[list[int]], save: Callable[[dict, dict], None]
+) -> tuple[dict[str, list[float]], dict]:
+    """Start the served engine, then the offline one, check both KV caches and run the rounds (``save(rates,
+    kv_tokens)`` after each); the rates per side and the KV cache tokens of each engine."""
     from vllm import LLM
 
     from vime.rollout.rollout_manager import RolloutManager
@@ -281,7 +285,9 @@ def measure(opts, args, model_dir: Path, prompt_ids: list[list[int]]) -> tuple[d
         kv_tokens["offline"] = check_kv_cache(
             "offline", cache.num_gpu_blocks, cache.block_size, prompt_ids, opts
         )
-        rates = run_rounds(side_batches(opts, args, llm, manager, prompt_ids), opts.repeats, report)
+        deadline = opts.started + opts.time_limit_s if opts.time_limit_s else None
+        batches = side_batches(opts, args, llm, manager, prompt_ids)
+        rates = run_rounds(batches, opts.repeats, report, lambda rates: save(rates, kv_tokens), deadline)
     finally:
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
@@ -362,8 +368,24 @@ def parse_options() -> argparse.Namespace:
     parser.add_argument(
         "--sample-seeds", action="store_true", help="also time vime with --rollout-sample-seeds (GPU only)"
     )
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        choices=SIDES,
+        default=SIDES,
+        help="the sides to time (offline and vime always; default: all)",
+    )
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        help="start no round that would end later than this many seconds after launch (the JSON is rewritten "
+        "after every round)",
+    )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
+    opts.started = time.monotonic()
+    opts.sides = sorted(set(opts.sides) | {"offline", "vime"}, key=SIDES.index)
     if opts.repeats < MIN_ROUNDS and not opts.allow_few_repeats:
         parser.error(
             f"--repeats {opts.repeats}: fewer than {MIN_ROUNDS} rounds give no usable spread (ratios of medians "
@@ -378,13 +400,17 @@ def parse_options() -> argparse.Namespace:
 
 def ratios(rates: dict[str, list[float]]) -> dict[str, dict]:
     """:func:`~bench.rounds.ratio_summary` of each of :data:`RATIOS` whose sides ran."""
-    return {name: ratio_summary(rates[a], rates[b]) for name, (a, b) in RATIOS.items() if b in rates}
+    return {
+        name: ratio_summary(rates[a], rates[b])
+        for name, (a, b) in RATIOS.items()
+        if rates.get(a) and rates.get(b)
+    }
 
 
 def result(opts, args, rates: dict[str, list[float]], kv_tokens: dict) -> tuple[str, dict]:
     """The result's name and its JSON."""
     name, workload = workload_record(opts, "rollout")
-    sides = {side: spread(runs) | {"runs": runs} for side, runs in rates.items()}
+    sides = {side: spread(runs) | {"runs": runs} for side, runs in rates.items() if runs}
     med = {side: figures["median"] for side, figures in sides.items()}
     summaries = ratios(rates)
     verdicts = [verdict(key.replace("_over_", " / "), summary) for key, summary in summaries.items()]
@@ -400,16 +426,17 @@ def result(opts, args, rates: dict[str, list[float]], kv_tokens: dict) -> tuple[
         | {
             "rollout_concurrency": args.rollout_concurrency,
             "log_probs": "sampled token (logprobs=0) on every side",
-            "method": f"both engines resident; one warm-up batch per side, then {opts.repeats} rounds of one batch "
-            "per side, the order rotated each round; ratios per round",
+            "method": f"both engines resident; one warm-up batch per side, then {len(rates['vime'])} rounds (of "
+            f"{opts.repeats} asked) of one batch per side, the order rotated each round; ratios per round",
+            "sides": list(rates),
             "engine_settings": {key: settings[key] for key in sorted(settings)},
             "memory_share": share,
             "kv_cache_tokens": kv_tokens,
         },
         "offline_tok_per_s": med["offline"],
         "offline_without_logprobs_tok_per_s": med.get("offline_no_logprobs", 0.0),
-        "direct_http_tok_per_s": med["direct"],
-        "direct_http_via_router_tok_per_s": med["direct_via_router"],
+        "direct_http_tok_per_s": med.get("direct", 0.0),
+        "direct_http_via_router_tok_per_s": med.get("direct_via_router", 0.0),
         "vime_tok_per_s": med["vime"],
         "vime_sample_seeds_tok_per_s": med.get("vime_sample_seeds", 0.0),
         **{f"ratio_{key}": summary["median"] for key, summary in summaries.items()},
@@ -417,10 +444,9 @@ def result(opts, args, rates: dict[str, list[float]], kv_tokens: dict) -> tuple[
         "sides": sides,
         "runs": rates,
         "verdict": "; ".join(verdicts),
-        "summary": f"{name}: vime {med['vime']:,.0f} tok/s, offline {med['offline']:,.0f}, direct HTTP "
-        f"{med['direct']:,.0f}, via the router {med['direct_via_router']:,.0f}"
-        + (f", vime with --rollout-sample-seeds {med['vime_sample_seeds']:,.0f}" if opts.sample_seeds else "")
-        + " (medians); "
+        "summary": f"{name}: "
+        + ", ".join(f"{side} {rate:,.0f}" for side, rate in med.items())
+        + " tok/s (medians); "
         + "; ".join(verdicts),
     }
 
@@ -430,9 +456,14 @@ def main() -> None:
 
     opts = parse_options()
     model_dir, args, prompt_ids = prepare_workload(opts)
-    rates, kv_tokens = measure(opts, args, model_dir, prompt_ids)
-    name, record = result(opts, args, rates, kv_tokens)
-    write_result(opts.out or f"bench/results/{name}.json", record)
+
+    def save(rates: dict[str, list[float]], kv_tokens: dict) -> None:
+        name, record = result(opts, args, rates, kv_tokens)
+        write_result(opts.out or f"bench/results/{name}.json", record)
+
+    rates, kv_tokens = measure(opts, args, model_dir, prompt_ids, save)
+    if not rates["vime"]:
+        sys.exit("no round ended within --time-limit-s: no result")
 
 
 if __name__ == "__main__":  # vLLM's offline engine spawns processes

@@ -5,6 +5,7 @@ taken within a round and summarised over the rounds."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 # Fewer rounds give no usable spread: ratios of medians over 1-3 batches per side read 0.83 and 1.11 in two runs of
@@ -19,18 +20,35 @@ def rotated_order(sides: list[str], round_index: int) -> list[str]:
 
 
 def run_rounds(
-    batches: dict[str, Callable[[], float]], rounds: int, report: Callable[[str, int, float], None]
+    batches: dict[str, Callable[[], float]],
+    rounds: int,
+    report: Callable[[str, int, float], None],
+    after_round: Callable[[dict[str, list[float]]], None] | None = None,
+    deadline: float | None = None,
 ) -> dict[str, list[float]]:
     """One untimed warm-up batch per side, then ``rounds`` rounds of one batch per side in :func:`rotated_order`;
     each batch returns its tokens/s, handed to ``report(side, round, rate)`` (round -1: the warm-up). The rates of
-    each side, in round order."""
+    each side, in round order, handed to ``after_round`` after every round too (to save them as they come). With a
+    ``deadline`` (``time.monotonic()``), no round starts that would end after it at the pace of the slowest round so
+    far (the warm-up counts as one), so the rounds done are kept where a time limit would lose them."""
+    started = time.monotonic()
     for side, batch in batches.items():
         report(side, -1, batch())
+    slowest = time.monotonic() - started
     rates: dict[str, list[float]] = {side: [] for side in batches}
     for round_index in range(rounds):
+        if deadline is not None and time.monotonic() + slowest > deadline:
+            print(
+                f"[bench] stopping after {round_index} of {rounds} rounds: the next would pass the time limit"
+            )
+            break
+        started = time.monotonic()
         for side in rotated_order(list(batches), round_index):
             rates[side].append(batches[side]())
             report(side, round_index, rates[side][-1])
+        slowest = max(slowest, time.monotonic() - started)
+        if after_round is not None:
+            after_round(rates)
     return rates
 
 

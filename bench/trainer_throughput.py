@@ -13,6 +13,7 @@ and H200). Step 0 is warm-up; the median of the others is reported.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -53,7 +54,9 @@ def trainer_argv(opts, model_dir: Path) -> list[str]:
 
 
 def synthetic_samples(opts, vocab: int):
-    """``--samples`` samples of ``--seq-len`` tokens (``--response-len`` of them the response), rewards 0/1."""
+    """``--samples`` samples of ``--seq-len`` tokens drawn from the model's ``vocab`` (``--response-len`` of them
+    the response), rewards 0/1. (Before 2026-11-28 the tokens came from the first 61 ids only: a MoE router then saw
+    57 distinct tokens in the first layer.)"""
     from vime.utils.types import Sample, Status
 
     g = torch.Generator().manual_seed(0)
@@ -64,8 +67,17 @@ def synthetic_samples(opts, vocab: int):
     ]  # fmt: skip
 
 
-def kernel_table(prof, rows: int = 30) -> str:
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+def profile_report(prof, wall_s: float, rows: int = 40) -> str:
+    """The profiled step's GPU busy time (the sum of its kernels' durations) against its wall time, then its ops by
+    GPU time and by host time (the host-side table shows synchronisations and launch-bound stretches)."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    averages = prof.key_averages()
+    return "\n".join([
+        f"profiled step: wall {wall_s:.3f} s, kernels {busy_s:.3f} s ({busy_s / wall_s:.0%} busy), {len(kernels):,} launches",
+        averages.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70),
+        averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70),
+    ])  # fmt: skip
 
 
 def main() -> None:
@@ -88,7 +100,7 @@ def main() -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="profile the last step's CUDA kernels (table in $OUT); use few --samples",
+        help="profile the last step (GPU busy share, ops by GPU and by host time; in $OUT)",
     )
     p.add_argument(
         "--out", default=None, help="JSON path (default bench/results/trainer_<backend>_<...>.json)"
@@ -128,7 +140,8 @@ def main() -> None:
     build_s = time.monotonic() - started
     plan = trainer.memory_plan
     predicted_gib = plan.predicted_peak_bytes / 2**30 if plan else None
-    samples = synthetic_samples(opts, 61)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    samples = synthetic_samples(opts, vocab)
     groups = [samples[i : i + opts.n_samples] for i in range(0, len(samples), opts.n_samples)]
     rewards = shape_rewards(args, groups)
     from vime.utils.train_data import split_rollout
@@ -142,7 +155,8 @@ def main() -> None:
         profiling = opts.profile and step == opts.steps
         prof = None
         if profiling:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            prof = torch.profiler.profile(activities=activities)
             prof.__enter__()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -154,7 +168,7 @@ def main() -> None:
         t2 = time.perf_counter()
         if prof is not None:
             prof.__exit__(None, None, None)
-            prof_text = kernel_table(prof)
+            prof_text = profile_report(prof, t2 - t0)
         timings.append((t1 - t0, t2 - t1))
         if rank == 0:
             print(f"[bench] step {step}: log-probs {t1 - t0:.2f} s, train {t2 - t1:.2f} s", flush=True)

@@ -61,3 +61,21 @@ def test_the_ratio_is_the_median_of_per_round_ratios_not_a_ratio_of_medians():
 def test_sides_that_ran_different_rounds_have_no_ratio():
     with pytest.raises(ValueError, match="different rounds"):
         ratio_summary([1.0, 2.0], [1.0])
+
+
+def test_rounds_are_handed_over_as_they_end_and_none_starts_past_the_deadline(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("bench.rounds.time.monotonic", lambda: clock[0])
+
+    def batch() -> float:
+        clock[0] += 10.0  # every batch takes 10 s
+        return 1.0
+
+    saved = []
+    # warm-up of two sides: 20 s (ends at 120); each round 20 s: rounds end at 140, 160, 180; 200 > 190
+    rates = run_rounds(
+        {"offline": batch, "vime": batch}, 9, lambda *_: None, lambda r: saved.append(len(r["vime"])), 190.0
+    )
+    assert rates == {"offline": [1.0] * 3, "vime": [1.0] * 3}
+    assert saved == [1, 2, 3]
+    assert run_rounds({"offline": batch}, 2, lambda *_: None) == {"offline": [1.0, 1.0]}  # no deadline

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -177,8 +178,23 @@ def args(tmp_path):
     )  # fmt: skip
 
 
-def test_a_sync_runs_its_steps_in_order_and_checks_every_engine(args, tmp_path, engines):
-    calls: list = []
+class TimedCalls(list):
+    """The fakes' call log, on the sync's clock: each call takes ``SECONDS[name]``."""
+
+    SECONDS = {"wake_up": 1.0, "sync_weights": 10.0, "sequence_log_probs": 100.0, "actor.offload": 1000.0}
+
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+
+    def append(self, call: tuple) -> None:
+        super().append(call)
+        self.now += self.SECONDS.get(call[0], 0.0)
+
+
+def test_a_sync_runs_its_steps_in_order_and_checks_every_engine(args, tmp_path, engines, monkeypatch):
+    calls = TimedCalls()
+    monkeypatch.setattr("vime.ray.weight_update.time", SimpleNamespace(monotonic=lambda: calls.now))
     urls = engines(TRAINER, TRAINER)
     update = WeightUpdate(
         FakeManager(args, tmp_path, calls, urls, version=6),
@@ -206,9 +222,11 @@ def test_a_sync_runs_its_steps_in_order_and_checks_every_engine(args, tmp_path, 
         ("wake_up", "kv_cache"),
         ("set_weight_version", 7, urls),
     ]
-    assert metrics.pop("time/sync_s") >= 0
-    assert metrics.pop("weight_sync/check_s") > 0 and metrics.pop("weight_sync/check_trainer_s") >= 0
+    assert metrics.pop("weight_sync/check_s") == 0.0  # the check's HTTP takes no time on this clock
+    # the first wake call -> the engines resumed (the wake and the push), apart from the check and the offload
     assert metrics == {
+        "time/sync_s": 1112.0, "weight_sync/weights_wake_s": 1.0, "weight_sync/wake_to_resume_s": 11.0,
+        "weight_sync/check_trainer_s": 100.0, "weight_sync/kv_cache_wake_s": 1.0,
         "weight_sync/time_s": 0.5, "weight_sync/engines": 2.0, "fault/sync_retries": 0.0, "offload/freed_gb": 1.0,
         "weight_sync/check_abs_diff": 0.0,
     }  # fmt: skip

@@ -60,13 +60,17 @@ class WeightUpdate:
         if stranded and not urls:
             return self.manager.run_context.weight_version, {}
         self.manager.wake_up(["weights"])  # a no-op unless the engines sleep
+        woken = time.monotonic()
         self.manager.before_weight_update()
         if urls is None:
-            metrics, expected, urls = self._push_to_all(version)
+            metrics, expected, urls = self._push_to_all(version, started)
             metrics |= self._offload_trainers()  # after the push and the check: they read the actor's weights
+            kv_woken = time.monotonic()
             self.manager.wake_up(["kv_cache"])
+            metrics["weight_sync/kv_cache_wake_s"] = time.monotonic() - kv_woken
         else:
-            metrics, expected = self._push(urls, version, rollout_weights)
+            metrics, expected = self._push(urls, version, rollout_weights, started)
+        metrics["weight_sync/weights_wake_s"] = woken - started
         if expected is not None:
             checked = time.monotonic()
             metrics["weight_sync/check_abs_diff"] = self.check_engines(urls, expected, version)
@@ -75,10 +79,12 @@ class WeightUpdate:
         return version, metrics | {"time/sync_s": time.monotonic() - started}
 
     def _push(
-        self, urls: list[str], version: int, rollout_weights: bool
+        self, urls: list[str], version: int, rollout_weights: bool, started: float
     ) -> tuple[dict[str, float], list[float] | None]:
-        """Push to ``urls``; the metrics and, with ``--check-weight-update-equal``, the trainer's scores of the check
-        sequence with the weights pushed (taken before they may leave the GPU)."""
+        """Push to ``urls``; the metrics (but for ``rollout_weights``, ``weight_sync/wake_to_resume_s``: from
+        ``started``, the sync's first wake call, until the engines resumed) and, with
+        ``--check-weight-update-equal``, the trainer's scores of the check sequence with the weights pushed (taken
+        before they may leave the GPU)."""
         tokens = (
             weight_check.check_tokens(self.args.hf_checkpoint)
             if self.args.check_weight_update_equal
@@ -88,13 +94,16 @@ class WeightUpdate:
             if rollout_weights:
                 return self.actor.push_rollout_weights(urls, version, self.sync_dir, tokens)
             metrics = self.actor.sync_weights(urls, version, self.sync_dir)
+        metrics["weight_sync/wake_to_resume_s"] = time.monotonic() - started
         if tokens is None:
             return metrics, None
-        started = time.monotonic()
+        scoring = time.monotonic()
         expected = self.actor.sequence_log_probs(tokens)
-        return metrics | {"weight_sync/check_trainer_s": time.monotonic() - started}, expected
+        return metrics | {"weight_sync/check_trainer_s": time.monotonic() - scoring}, expected
 
-    def _push_to_all(self, version: int) -> tuple[dict[str, float], list[float] | None, list[str]]:
+    def _push_to_all(
+        self, version: int, started: float
+    ) -> tuple[dict[str, float], list[float] | None, list[str]]:
         """:meth:`_push` to every live engine, with ``--use-fault-tolerance``'s replacement and one retry; also
         returns the engines reached."""
 
@@ -105,7 +114,7 @@ class WeightUpdate:
             if not urls:
                 logger.warning("weight sync %d: no engine is up to receive it", version)
                 return {"weight_sync/engines": 0.0}, None, urls
-            return *self._push(urls, version, rollout_weights=False), urls
+            return *self._push(urls, version, False, started), urls
 
         if not self.args.use_fault_tolerance:
             return push()
