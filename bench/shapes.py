@@ -5,6 +5,7 @@ JSON result."""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import platform
@@ -54,17 +55,20 @@ def build_shape(
 
     vocab_size = vocab_size or (VOCAB_SIZE if shape == "tiny" else QWEN3_VOCAB_SIZE)
     out = CACHE / f"{shape}-{dtype}-vocab{vocab_size}"
-    if (out / "config.json").exists():
-        return out
-    started = time.monotonic()
-    build_tiny_model(
-        out,
-        seed=0,
-        dtype=dtype,
-        max_position_embeddings=max_position_embeddings,
-        vocab_size=vocab_size,
-        **shape_flags(shape),
-    )
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{out.name}.lock", "w") as lock:  # benchmarks started side by side build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").exists():
+            return out
+        started = time.monotonic()
+        build_tiny_model(
+            out,
+            seed=0,
+            dtype=dtype,
+            max_position_embeddings=max_position_embeddings,
+            vocab_size=vocab_size,
+            **shape_flags(shape),
+        )
     print(
         f"[bench] built {shape} ({dtype}, vocab {vocab_size}) in {time.monotonic() - started:.0f} s -> {out}",
         flush=True,
