@@ -103,6 +103,13 @@ def main() -> None:
         help="profile the last step (GPU busy share, ops by GPU and by host time; in $OUT)",
     )
     p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch's CPU threads (default 1: what train.py's trainers get, as Ray sets OMP_NUM_THREADS=1 for "
+        "actors that take no CPU; 0 keeps torch's default, one per core)",
+    )
+    p.add_argument(
         "--out", default=None, help="JSON path (default bench/results/trainer_<backend>_<...>.json)"
     )
     p.add_argument("extra", nargs="*", help="more vime flags, after --")
@@ -112,6 +119,8 @@ def main() -> None:
     from vime.utils.distributed import init_distributed
     from vime.utils.train_data import shape_rewards
 
+    if opts.torch_threads:
+        torch.set_num_threads(opts.torch_threads)
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model_dir = build_shape(opts.shape) if rank == 0 else None
@@ -126,6 +135,7 @@ def main() -> None:
     config = (
         f"{opts.backend}_{opts.shape}_{world}gpu_recompute-{opts.recompute}_mtpg{opts.max_tokens_per_gpu}"
     ) + ("_sequential-experts" if MOE_SHAPE.fullmatch(opts.shape) and not opts.grouped_gemm else "")
+    config += "" if opts.torch_threads == 1 else f"_threads{torch.get_num_threads()}"
     out_path = opts.out or f"bench/results/trainer_{config}.json"
     started = time.monotonic()
     try:
@@ -201,6 +211,7 @@ def main() -> None:
                     "recompute": opts.recompute,
                     "max_tokens_per_gpu": opts.max_tokens_per_gpu,
                     "matmul_params": params,
+                    "torch_threads": torch.get_num_threads(),
                     "extra": opts.extra,
                 },  # fmt: skip
                 "build_s": build_s,

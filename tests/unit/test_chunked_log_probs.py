@@ -28,9 +28,9 @@ def inputs(dtype=torch.float32):
     return logits, labels, weights
 
 
-def reference(logits, labels, weights):
+def reference(logits, labels, weights, temperature=T):
     z = logits.detach().double()[:, :TRUE_V].requires_grad_()
-    log_p = torch.log_softmax(z / T, dim=-1)
+    log_p = torch.log_softmax(z / temperature, dim=-1)
     log_probs = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
     (weights[0].double() @ log_probs + weights[1].double() @ entropy).backward()
@@ -39,16 +39,18 @@ def reference(logits, labels, weights):
     return log_probs, entropy, grad
 
 
+@pytest.mark.parametrize("temperature", [T, 1.0])  # 1.0: no division pass at all
 @pytest.mark.parametrize("chunk_size", [-1, 1, 4, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_log_softmax_values_and_gradients(chunk_size, dtype):
+def test_matches_log_softmax_values_and_gradients(chunk_size, dtype, temperature):
     logits, labels, weights = inputs(dtype)
-    want_lp, want_h, want_grad = reference(logits, labels, weights)
+    want_lp, want_h, want_grad = reference(logits, labels, weights, temperature)
     x = logits.clone().requires_grad_()
+    before = x.detach().clone()
     log_probs, entropy = chunked_log_probs(
         x,
         labels,
-        T,
+        temperature,
         with_entropy=True,
         entropy_requires_grad=True,
         chunk_size=chunk_size,
@@ -60,6 +62,7 @@ def test_matches_log_softmax_values_and_gradients(chunk_size, dtype):
     torch.testing.assert_close(entropy.double(), want_h, rtol=0, atol=1e-5)
     assert x.grad.dtype == dtype
     torch.testing.assert_close(x.grad.double(), want_grad, rtol=tol, atol=tol)
+    assert torch.equal(x.detach(), before)  # the logits themselves are never written
 
 
 def test_entropy_without_grad_and_log_probs_alone():

@@ -43,7 +43,9 @@ class _Columns:
 
     def scaled(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """A fresh fp32 ``logits / T`` (padding columns -inf), which the caller may overwrite."""
-        z = logits.to(torch.float32, copy=True).div_(temperature)
+        z = logits.to(torch.float32, copy=True)
+        if temperature != 1.0:  # a pass over [rows, vocab] fp32 saved where sampling used no temperature
+            z.div_(temperature)
         return z if self.valid is None else z.masked_fill_(~self.valid, float("-inf"))
 
 
@@ -78,7 +80,7 @@ def _backward_chunk(
         coef.mul_(grad_entropy[rows].float().unsqueeze(-1)).add_(g.unsqueeze(-1))
     d = p.mul_(coef).neg_()
     d.scatter_add_(-1, cols.index[rows], torch.where(cols.in_slice[rows], g, 0.0).unsqueeze(-1))
-    return d.div_(temperature)
+    return d if temperature == 1.0 else d.div_(temperature)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
