@@ -22,7 +22,9 @@ for job in "$@"; do
 done
 wait
 for dir in "${dirs[@]}"; do
-  cp "$dir"/*.json "$dir"/profile_*.txt "$out/" 2>/dev/null
+  # the results this job wrote (bench/run.sh's own copy takes every new result, the other jobs' too)
+  grep -ao -- '-> [^ ]*\.json$' "$dir/bench.log" 2>/dev/null | cut -c4- | sort -u | xargs -r -I{} cp {} "$out/"
+  cp "$dir"/profile_*.txt "$out/" 2>/dev/null
   {
     echo "=== $(cat "$dir/job")"
     grep -a "^\[bench\]\|Error\|error:\|Traceback" "$dir/bench.log" 2>/dev/null | tail -60
