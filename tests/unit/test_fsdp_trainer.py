@@ -19,6 +19,7 @@ from vime.backends.policy_inputs import policy_inputs
 from vime.tools.make_tiny_model import build_tiny_model
 from vime.utils import ppo_utils
 from vime.utils.arguments import parse_args
+from vime.utils.checkpoint_layout import latest_iteration
 from vime.utils.train_data import loss_mask_of, normalize_advantages, shape_rewards
 from vime.utils.types import Sample, Status
 
@@ -528,6 +529,11 @@ def test_ref_ckpt_step_picks_the_reference_iteration(base_args, tmp_path):
         args = with_args(base_args, ref_load=str(tmp_path / "ckpt"), ref_ckpt_step=step, use_kl_loss=True)
         reference = FSDPTrainer(args).compute_log_probs(samples, "ref")
         assert all(torch.equal(a, b) for a, b in zip(reference, want, strict=True)), step
+    # written but not yet declared complete (Run.save writes the data buffer in between): --load still finds 1
+    trainer.save(2, str(tmp_path / "ckpt"), mark=False)
+    assert (tmp_path / "ckpt" / "iter_0000002").is_dir() and latest_iteration(str(tmp_path / "ckpt")) == 1
+    trainer.mark_saved(2, str(tmp_path / "ckpt"))
+    assert latest_iteration(str(tmp_path / "ckpt")) == 2
 
 
 def _opd_samples() -> list[Sample]:

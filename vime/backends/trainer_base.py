@@ -29,7 +29,7 @@ from vime.backends.memory_check import check_memory_plan
 from vime.backends.micro_batches import loss_inputs, plan, token_budget
 from vime.backends.policy_inputs import PerSample, advantages_and_returns, policy_inputs
 from vime.backends.routing_plan import RoutingPlan, make_routing_plan, routing_pass
-from vime.utils.checkpoint_layout import iteration_dir, latest_iteration
+from vime.utils.checkpoint_layout import iteration_dir, latest_iteration, mark_latest
 from vime.utils.distributed import DataParallel
 from vime.utils.loss import policy_loss, sft_loss, takes_logits
 from vime.utils.memory_plan import MemoryPlan
@@ -367,10 +367,19 @@ class TrainerBase:
             self._load_weights(args.ref_load, None)
         return None
 
-    def save(self, rollout_id: int, save_dir: str) -> None:
-        """Write ``save_dir/iter_{rollout_id:07d}`` (optimizer state unless ``--no-save-optim``) and then point
-        ``latest_checkpointed_iteration.txt`` at it. Collective."""
+    def save(self, rollout_id: int, save_dir: str, mark: bool = True) -> None:
+        """Write ``save_dir/iter_{rollout_id:07d}`` (optimizer state unless ``--no-save-optim``) and, with ``mark``,
+        point ``latest_checkpointed_iteration.txt`` at it (without: :meth:`mark_saved` later, once what else
+        belongs to the checkpoint is written). Collective."""
         self._save_checkpoint(save_dir, rollout_id, None if self.args.no_save_optim else self.optimizer)
+        if mark:
+            self.mark_saved(rollout_id, save_dir)
+
+    def mark_saved(self, rollout_id: int, save_dir: str) -> None:
+        """Declare ``save_dir``'s iteration ``rollout_id`` complete: what a resume's ``--load`` finds. Collective."""
+        if dist.get_rank() == 0:
+            mark_latest(save_dir, rollout_id)
+        dist.barrier()
 
     # ------------------------------------------------------------------------------------- the primitives
     def _load_checkpoint(self, load_dir: str, step: int, optimizer: Any | None, load_rng: bool) -> dict:
@@ -384,8 +393,8 @@ class TrainerBase:
         raise NotImplementedError
 
     def _save_checkpoint(self, save_dir: str, rollout_id: int, optimizer: Any | None) -> None:
-        """Write iteration ``rollout_id`` (weights, ``optimizer`` when given, scheduler, RNG, step) and mark it the
-        latest. Collective."""
+        """Write iteration ``rollout_id`` (weights, ``optimizer`` when given, scheduler, RNG, step), every rank's
+        files written when it returns. Collective."""
         raise NotImplementedError
 
     def export_hf(self, out_dir: str) -> None:

@@ -188,16 +188,23 @@ class Run:
 
     def save(self, rollout_id: int) -> None:
         """Checkpoint the actor, the critic (``--critic-save``) and the data buffer at ``rollout_id`` (``--save``);
-        with ``--save-hf`` export the actor as a Hugging Face directory (with or without ``--save``)."""
-        if self.actor is not None:
-            if self.args.save:
-                self.actor.save(rollout_id, self.args.save)
-            if self.args.save_hf:
-                self.actor.export_hf(self.args.save_hf.format(rollout_id=rollout_id))
-        if self.critic is not None and self.args.critic_save:
-            self.critic.save(rollout_id, self.args.critic_save)
-        if self.args.save:
-            ray.get(self.manager.save.remote(rollout_id, self.args.save))
+        with ``--save-hf`` export the actor as a Hugging Face directory (with or without ``--save``). The
+        checkpoints are declared complete (their ``latest_checkpointed_iteration.txt``) only once all of them and
+        the data buffer are written, the actor's last: a run killed in between resumes from the previous one."""
+        args = self.args
+        written = []
+        if self.actor is not None and args.save:
+            self.actor.save(rollout_id, args.save, mark=False)
+            written.append((self.actor, args.save))
+        if self.critic is not None and args.critic_save:
+            self.critic.save(rollout_id, args.critic_save, mark=False)
+            written.insert(0, (self.critic, args.critic_save))
+        if args.save:
+            ray.get(self.manager.save.remote(rollout_id, args.save))
+        for group, save_dir in written:
+            group.mark_saved(rollout_id, save_dir)
+        if self.actor is not None and args.save_hf:
+            self.actor.export_hf(args.save_hf.format(rollout_id=rollout_id))
 
     def should_save(self, rollout_id: int) -> bool:
         args = self.args

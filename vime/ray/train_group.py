@@ -84,8 +84,11 @@ class TrainRayActor:
         )
         return self.trainer.compute_log_probs([sample])[0].tolist()
 
-    def save(self, rollout_id: int, save_dir: str) -> None:
-        self.trainer.save(rollout_id, save_dir)
+    def save(self, rollout_id: int, save_dir: str, mark: bool = True) -> None:
+        self.trainer.save(rollout_id, save_dir, mark)
+
+    def mark_saved(self, rollout_id: int, save_dir: str) -> None:
+        self.trainer.mark_saved(rollout_id, save_dir)
 
     def offload(self) -> dict[str, float]:
         return self.trainer.offload()
@@ -205,8 +208,12 @@ class RayTrainGroup:
         """The policy's log-probs of ``tokens[1:]`` (rank 0's; every rank computes them, collectively)."""
         return ray.get([actor.sequence_log_probs.remote(tokens) for actor in self.actors])[0]
 
-    def save(self, rollout_id: int, save_dir: str) -> None:
-        ray.get([actor.save.remote(rollout_id, save_dir) for actor in self.actors])
+    def save(self, rollout_id: int, save_dir: str, mark: bool = True) -> None:
+        """Every rank writes iteration ``rollout_id``; ``mark``: then declare it complete (else :meth:`mark_saved`)."""
+        ray.get([actor.save.remote(rollout_id, save_dir, mark) for actor in self.actors])
+
+    def mark_saved(self, rollout_id: int, save_dir: str) -> None:
+        ray.get([actor.mark_saved.remote(rollout_id, save_dir) for actor in self.actors])
 
     def export_hf(self, out_dir: str) -> None:
         ray.get([actor.export_hf.remote(out_dir) for actor in self.actors])

@@ -40,7 +40,6 @@ from vime.utils.checkpoint_layout import (
     host_rng_state,
     iteration_dir,
     latest_iteration,
-    mark_latest,
     set_host_rng_state,
 )
 
@@ -63,7 +62,7 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     step: int,
 ) -> Path:
-    """Write ``iter_{rollout_id}`` (collective) and then point ``latest_checkpointed_iteration.txt`` at it."""
+    """Write ``iter_{rollout_id}`` (collective); the caller then marks it the latest (``mark_latest``)."""
     out = iteration_dir(save_dir, rollout_id)
     rank = dist.get_rank()
     dcp.save(get_model_state_dict(model), checkpoint_id=out / "model")
@@ -79,10 +78,7 @@ def save_checkpoint(
             "world_size": dist.get_world_size(),
         }
         torch.save(state, out / "trainer_state.pt")
-    dist.barrier()  # every rank's files exist before the checkpoint is declared complete
-    if rank == 0:
-        mark_latest(save_dir, rollout_id)
-    dist.barrier()
+    dist.barrier()  # every rank's files exist before the caller declares the checkpoint complete
     return out
 
 

@@ -24,7 +24,6 @@ from vime.utils.checkpoint_layout import (
     host_rng_state,
     iteration_dir,
     latest_iteration,
-    mark_latest,
     set_host_rng_state,
 )
 
@@ -97,7 +96,7 @@ def _sync_hybrid_optimizer(optimizer) -> None:
 
 
 def save(save_dir, rollout_id: int, model, optimizer, scheduler, step: int) -> Path:
-    """Write ``iter_{rollout_id}`` (collective), then point ``latest_checkpointed_iteration.txt`` at it."""
+    """Write ``iter_{rollout_id}`` (collective); the caller then marks it the latest (``mark_latest``)."""
     out = iteration_dir(save_dir, rollout_id)
     out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -117,10 +116,7 @@ def save(save_dir, rollout_id: int, model, optimizer, scheduler, step: int) -> P
             },
             out / "vime_state.pt",
         )
-    dist.barrier()
-    if rank == 0:
-        mark_latest(save_dir, rollout_id)
-    dist.barrier()
+    dist.barrier()  # every rank's files exist before the caller declares the checkpoint complete
     return out
 
 

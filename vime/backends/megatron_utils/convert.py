@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from vime.backends.megatron_utils.hf_config import flags_from_hf_config, flags_to_argv, load_hf_config
+from vime.utils.checkpoint_layout import mark_latest
 from vime.utils.megatron_args import add_megatron_arguments
 
 
@@ -57,6 +58,8 @@ def hf_to_torch_dist(argv: Sequence[str] | None = None) -> None:
     module, vocab = _module(args)
     weights.load_hf_weights(module, args.hf_checkpoint, vocab)
     checkpoint.save(args.save, 0, module, None, None, 0)
+    if torch.distributed.get_rank() == 0:
+        mark_latest(args.save, 0)
 
 
 def torch_dist_to_hf(argv: Sequence[str] | None = None) -> None:
