@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -69,13 +68,7 @@ def _fork_server(_engines_installed) -> Iterator[None]:
     test starts, through vime or the fixtures, is forked with vLLM's server already imported (about 5 CPU-s a start
     instead of 12: :mod:`vime.backends.vllm_utils.fork_server`). A test of which process owns an engine unsets it."""
     path = Path(tempfile.mkdtemp(prefix="vime-fork-")) / "fork.sock"
-    server = subprocess.Popen(
-        [sys.executable, "-m", fork_server.__name__, str(path), "vllm.entrypoints.openai.api_server"]
-    )
-    deadline = time.monotonic() + 300
-    while not path.exists() and server.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert path.exists(), f"the fork server did not start (exit code {server.poll()})"
+    server = fork_server.start_server(path, ["vllm.entrypoints.openai.api_server"])
     os.environ[fork_server.SOCKET_ENV] = str(path)
     yield
     del os.environ[fork_server.SOCKET_ENV]

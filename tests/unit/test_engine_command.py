@@ -174,12 +174,8 @@ def launch(request, tmp_path, monkeypatch) -> str:
     monkeypatch.delenv(fork_server.SOCKET_ENV, raising=False)  # the e2e tests' one, when they ran first here
     if request.param == "forked":
         path = tmp_path / "fork.sock"
-        env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-        server = subprocess.Popen([sys.executable, "-m", fork_server.__name__, str(path)], env=env)
+        server = fork_server.start_server(path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=30)
         request.addfinalizer(server.kill)
-        deadline = time.monotonic() + 30
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
         monkeypatch.setenv(fork_server.SOCKET_ENV, str(path))
     return request.param
 
@@ -451,3 +447,8 @@ def test_cpu_server_puts_fork_back_after_vllms_cpu_platform_chose_spawn(monkeypa
     cpu_server.keep_fork()
     CpuPlatform.check_and_update_config(None)
     assert os.environ[cpu_server.METHOD_ENV] == "spawn"  # vLLM's own choice, untouched by vime
+
+
+def test_a_fork_server_that_cannot_listen_is_reported(tmp_path):
+    with pytest.raises(RuntimeError, match="did not start"):
+        fork_server.start_server(tmp_path / "missing-dir" / "fork.sock", timeout=60)

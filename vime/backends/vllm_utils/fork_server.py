@@ -219,6 +219,21 @@ def _title_setter() -> Callable[[str], None] | None:
     return setproctitle.setproctitle
 
 
+def start_server(
+    path: str | Path, preload: Sequence[str] = (), env: Mapping[str, str] | None = None, timeout: float = 300
+) -> subprocess.Popen:
+    """Start a fork server listening on ``path`` (``preload``: modules it imports first) and wait for its socket;
+    ``RuntimeError`` if it exits or is not listening within ``timeout`` seconds."""
+    server = subprocess.Popen([sys.executable, "-m", __name__, str(path), *preload], env=env)
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError(f"the fork server on {path} did not start (exit code {server.poll()})")
+        time.sleep(0.05)
+    return server
+
+
 def serve(path: str, preload: Sequence[str]) -> NoReturn:
     """Import ``preload``, then fork a guarded server for each request on ``path`` until the parent dies."""
     term_on_parent_death()
