@@ -5,8 +5,10 @@ FFN 768; make_tiny_model's small vocabulary) perturbs its weights and syncs them
 stacked, over CUDA IPC (``tensor``, the engine beside the trainer) and, with two GPUs, NCCL (``distributed``, the
 engine on the second GPU). After the sync the engine's log-probs of a fixed sequence match the trainer's (before it
 they did not), and the engine's log says every stacked tensor was written into its fused-MoE layers directly. The
-weights check's checksums (recorded by the sync, on by default) pass; colocated, a level-2 sleep and a wake-up of the
-weights with no sync after it (what would leave the engine without the trainer's weights) fails them, named.
+weights check's checksums (recorded by the sync, on by default) pass; a sync with one byte changed in transit (after
+the sender's checksums) is rejected, naming the tensor, and leaves the engine serving the previous weights (issue 24's
+corruption test on GPU); colocated, a level-2 sleep and a wake-up of the weights with no sync after it (what would
+leave the engine without the trainer's weights) fails the checksums, named.
 
 Run with the full kit (tests/gpu/README.md): ``bash tests/gpu/run.sh tests/gpu/test_stacked_sync_gpu.py``.
 """
@@ -58,6 +60,19 @@ def run_args(model_dir: Path, transport: str):
     )  # fmt: skip
 
 
+def corrupt_first_bucket(add_checksums):
+    """``add_checksums`` that then flips one bit of the first bucket's first byte (after its checksums were taken)."""
+    calls = [0]
+
+    def corrupting(buffer, layout):
+        add_checksums(buffer, layout)
+        if calls[0] == 0:
+            buffer[0] ^= 1
+        calls[0] += 1
+
+    return corrupting
+
+
 @pytest.fixture(scope="module")
 def trainer(model_dir):
     from vime.backends.megatron_utils.trainer import MegatronTrainer
@@ -66,11 +81,13 @@ def trainer(model_dir):
 
 
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
-def test_stacked_sync_matches_the_trainers_log_probs(model_dir, trainer, transport, tmp_path):
+def test_stacked_sync_matches_the_trainers_log_probs(model_dir, trainer, transport, tmp_path, monkeypatch):
     from bench.weight_sync import EXTENSION, SEQUENCE, engine_log_probs, perturb
+    from vime.backends.vllm_utils import weight_transports
     from vime.backends.vllm_utils.control_client import EngineGroup
     from vime.backends.vllm_utils.engine import VLLMEngine
     from vime.backends.vllm_utils.weight_sync import sync_weights_from_trainer
+    from vime.backends.vllm_utils.weight_transports import BucketRejected
     from vime.utils.stacked_experts import parse_stacked
     from vime.utils.types import Sample, Status
     from vime.utils.weight_check import compare_checksums
@@ -104,15 +121,30 @@ def test_stacked_sync_matches_the_trainers_log_probs(model_dir, trainer, transpo
                 return {engine.url: group.run(lambda e: e.collective_rpc("check_weights_checksums"))[0]}
 
             compare_checksums(checksums(), 1)  # stacked experts in vLLM's layout, as the sync recorded them
+            # one byte of the first bucket changed after the sender took its checksums (in transit, over CUDA IPC
+            # or NCCL): the engine loads nothing of it, the sync fails naming the tensor, the engine keeps sync 1's
+            with monkeypatch.context() as patch:
+                patch.setattr(
+                    weight_transports, "add_checksums", corrupt_first_bucket(weight_transports.add_checksums)
+                )
+                with pytest.raises(
+                    BucketRejected, match=r"rejected a bucket: weight sync: \S+ .* arrived changed"
+                ):
+                    sync_weights_from_trainer(trainer, 0, args, [engine.url], version=2, disk_dir=None)
+            kept = float((engine_log_probs(engine.url, str(model_dir)) - want).abs().mean())
+            sync_weights_from_trainer(trainer, 0, args, [engine.url], version=3, disk_dir=None)
+            compare_checksums(checksums(), 3)
             if transport == "tensor":  # weights dropped and woken with no sync after: the check must stop it
                 group.run(lambda e: e.sleep(level=2))
                 group.run(lambda e: e.wake_up(["weights"]))
                 with pytest.raises(RuntimeError, match="worker 0: .* changed since the sync loaded it"):
-                    compare_checksums(checksums(), 1)
+                    compare_checksums(checksums(), 3)
     print(
         f"\n[{transport}] stacked sync {metrics['weight_sync/gb_per_s']:.1f} GB/s; log-prob diff {diff:.2e} (before: {stale:.2e})"
     )
     assert stale > LOGPROB_TOL, "the perturbation does not show in the log-probs: the check could not fail"
     assert diff < LOGPROB_TOL
+    assert kept < LOGPROB_TOL  # the rejected sync changed nothing the engine serves
     written = [tuple(map(int, m)) for m in WRITTEN.findall(log.read_text())]
-    assert written == [(len(stacked), 0)], written  # one sync, every stacked tensor written directly
+    # syncs 1 and 3 wrote every stacked tensor directly; sync 2 was rejected at its first bucket
+    assert written == [(len(stacked), 0)] * 2, written

@@ -293,6 +293,7 @@ class VimeWorkerExtension:
             verify_checksums(buffer, layout)
         except ValueError as exc:
             self.__dict__.pop("_vime_staged_weights", None)
+            self.__dict__.pop("_vime_stacked_counts", None)  # the next sync counts its own stacked tensors
             logger.error("vime weight sync: bucket rejected: %s", exc)
             return str(exc)
         self._vime_load(unflatten_bucket(buffer, layout), final)
