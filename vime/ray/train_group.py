@@ -20,6 +20,16 @@ if TYPE_CHECKING:  # the driver imports this module; torch is for the ranks
     PerSample = list[torch.Tensor]  # one per-token tensor per sample
 
 
+def cpu_optimizer_threads(args, cores: int) -> int | None:
+    """torch's CPU threads for a training rank with ``--optimizer-cpu-offload``, whose optimizer steps run on the
+    host: the node's ``cores`` shared by its GPUs (``--num-gpus-per-node``). None otherwise, or where
+    ``--train-env-vars`` sets ``OMP_NUM_THREADS``: Ray's ``OMP_NUM_THREADS=1`` for actors that reserve no CPU stays,
+    which keeps the trainer's small host-side tensor work from spinning a thread pool per rank."""
+    if not getattr(args, "optimizer_cpu_offload", False) or "OMP_NUM_THREADS" in args.train_env_vars:
+        return None
+    return max(1, cores // max(1, args.num_gpus_per_node))
+
+
 @ray.remote
 class TrainRayActor:
     """One training rank: joins the training process group (:meth:`setup`) and owns a backend trainer."""
@@ -48,6 +58,10 @@ class TrainRayActor:
 
         init_distributed(listener=self._listener)
         self._listener = None
+        if threads := cpu_optimizer_threads(self.args, len(os.sched_getaffinity(0))):
+            import torch
+
+            torch.set_num_threads(threads)
         if self.args.train_backend == "megatron":
             from vime.backends.megatron_utils.trainer import MegatronTrainer as Trainer
         else:
