@@ -49,8 +49,7 @@ from rollout_hold import FUNCTION as HELD_ROLLOUT
 from sync_hold import HOLD_ENV, HOOK, HOOK_DIR
 
 from vime.backends.vllm_utils import fork_server
-from vime.backends.vllm_utils.engine import SERVER_MODULES
-from vime.backends.vllm_utils.engine_monitor import PORT_TAKEN
+from vime.backends.vllm_utils.engine import PORT_TAKEN, SERVER_MODULES
 from vime.ray.rollout import LOG_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
@@ -753,7 +752,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(
     restarts = records[-1]["fault/engine_restarts"]
     assert restarts == sum(len(f["victims"]) for f in faults.faults), (restarts, diagnosis)
     # each replacement is in the run's log, with what showed the engine dead or hung; a replacement whose free port
-    # another process bound first is started again, not counted as a restart (engine_monitor.PORT_TAKEN)
+    # another process bound first is started again, not counted as a restart (engine.PORT_TAKEN)
     lost_ports = len(re.findall(r"engine \d+ lost its port to another process", events))
     replaced = re.findall(r"engine \d+ at \S+ is dead or hung \(.+\); replacing it", events)
     assert len(replaced) == restarts + lost_ports, events
