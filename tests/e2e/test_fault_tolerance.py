@@ -587,9 +587,13 @@ def _check_only_engine_async(
     by_rollout: dict[int, dict], records: list[dict], versions: dict[int, set[int]]
 ) -> None:
     # train_async.py generates rollouts 0 and 1 with version 1, and rollout k > 1 with version k (pushed once rollout
-    # k-2 is trained); here the replacement generates all of rollout 1 with the actor's weights (trained on rollout 0)
-    # as version 2, and the sync after that step pushes them again, as version 3, which rollout 2 is generated with
-    assert [versions[k] for k in range(3)] == [{1}, {2}, {3}], versions
+    # k-2 is trained). Here the replacement generates all of rollout 1 with the actor's weights (trained on rollout 0:
+    # the fp32-level difference above) pushed as version 2. A request keeps the version it was sent with (a
+    # conservative stamp), and vllm-router holds a request it cannot place for up to ~0.7 s (its 5 retries with
+    # backoff), so one sent just before the push and placed on the replacement just after it carries version 1
+    # (seen: 24 of 64 samples). The sync after that step pushes the same weights again, as version 3, which rollout
+    # 2 is generated with
+    assert versions[0] == {1} and versions[1] <= {1, 2} and versions[2] == {3}, versions
 
 
 @dataclass(frozen=True)
@@ -598,8 +602,11 @@ class Case:
     ``cpu_layout``: its engines run vLLM's CPU layout (a worker process bound to the slot's cores, checked below)
     rather than the tests' one-process layout (tests/e2e/conftest.py), which starts each engine ~9 s sooner.
     ``one_step_behind``: the rollouts that train one version after the weights that generated them
-    (train_async.py without ``--keep-old-actor``); every other rollout trains on exactly those weights. ``check``:
-    the case's own checks, given the records by rollout, the records, and each rollout's weight versions."""
+    (train_async.py without ``--keep-old-actor``); every other rollout trains on exactly those weights.
+    ``across_a_push``: the rollouts generated across a push of a new version to stranded replacements, whose samples
+    may carry the version before it (see ``_check_only_engine_async``); every other rollout carries one version.
+    ``check``: the case's own checks, given the records by rollout, the records, and each rollout's weight
+    versions."""
 
     script: str
     fault_script: Callable[[FaultScript], None]
@@ -610,6 +617,7 @@ class Case:
     num_engines: int = 2
     cpu_layout: bool = False
     one_step_behind: frozenset[int] = frozenset()
+    across_a_push: frozenset[int] = frozenset()
 
 
 CASES = {
@@ -621,7 +629,7 @@ CASES = {
     # 1, had the replacement not got the actor's weights)
     "train_async.py-one-engine": Case(
         "train_async.py", _script_only_engine_async, 1, 3, _check_only_engine_async, num_engines=1,
-        one_step_behind=frozenset({2}),
+        one_step_behind=frozenset({2}), across_a_push=frozenset({1}),
     ),
 }  # fmt: skip
 
@@ -730,17 +738,18 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(
 
     # the weights move every step (lr 1e-3), so a sample from an engine a version behind or ahead of the one its
     # stamp names would show ~1e-3: every rollout trains on samples whose log-probs the trainer reproduces at the fp32
-    # level, and carries one weight version. That includes train_async.py's rollouts whose engines all died while the
-    # actor was a step ahead: with --keep-old-actor the replacements get the old actor's kept copy, the version the
-    # rollout began with; without it, the actor's weights, which then train on the rollout. A rollout that trains a
-    # version after its own (``one_step_behind``) shows that difference
+    # level, and carries one weight version (but see ``Case.across_a_push``). That includes train_async.py's rollouts
+    # whose engines all died while the actor was a step ahead: with --keep-old-actor the replacements get the old
+    # actor's kept copy, the version the rollout began with; without it, the actor's weights, which then train on the
+    # rollout. A rollout that trains a version after its own (``one_step_behind``) shows that difference
     for rollout_id, record in by_rollout.items():
         diff = record["train/train_rollout_logprob_abs_diff"]
         if rollout_id in case.one_step_behind:
             assert diff > FP32_DIFF, (rollout_id, diff, versions_by_rollout[rollout_id])
         else:
             assert diff < FP32_DIFF, (rollout_id, diff, versions_by_rollout[rollout_id])
-        assert len(versions_by_rollout[rollout_id]) == 1, (rollout_id, versions_by_rollout[rollout_id])
+        if rollout_id not in case.across_a_push:
+            assert len(versions_by_rollout[rollout_id]) == 1, (rollout_id, versions_by_rollout[rollout_id])
     assert all(by_rollout[k]["train/grad_norm"] > 0 for k in by_rollout), (
         "the weights did not move every step"
     )
