@@ -83,7 +83,7 @@ class EngineCounter:
 # The costs (s) are this summary's, on the 2-core machine; a stale list only costs balance, never correctness.
 LONGEST_FIRST = {  # seconds per file in the last clean-clone CI (2 cores, 2 workers), adjusted for later cuts
     "test_fault_tolerance.py": 780,
-    "test_loop_learns.py": 320,  # its two runs side by side
+    "test_loop_learns.py": 320,  # its runs side by side
     "test_model_families.py": 300,
     "test_slime_examples.py": 260,
     "test_several_models.py": 255,

@@ -1,11 +1,13 @@
-"""``--use-fault-tolerance`` end to end on CPU: two real vLLM engines behind the router, and one scripted run per loop
-that injects one fault after another, each once the previous one's replacement has rejoined:
+"""``--use-fault-tolerance`` end to end on CPU: real vLLM engines behind the router, and scripted runs that inject one
+fault after another, each once the previous one's replacement has rejoined (two engines unless said):
 
 - ``train.py``: an engine's API server SIGKILLed mid-rollout; then the router SIGKILLed and an engine SIGSTOPped (hung)
   at once; then an engine SIGKILLed in the middle of a weight sync; then both engines SIGKILLed mid-rollout (no
   engine left: the replacements get the weights during the rollout);
 - ``train_async.py`` (``--keep-old-actor``): an engine SIGKILLed mid-rollout, then both (the actor is a version ahead
-  of the engines then).
+  of the engines then);
+- ``train_async.py`` with one engine and without ``--keep-old-actor``: its only engine SIGKILLed mid-rollout while the
+  actor is a version ahead (the replacement gets the actor's weights as the next version).
 
 A mid-rollout fault strikes only once the engine's ``/metrics`` shows it generating requests of that rollout: the
 rollout is held before its first request (``rollout_hold``) while the script freezes the engines, and the engines then
@@ -13,7 +15,8 @@ run in short steps between polls, so the first poll that sees them generate sees
 rollout must come back whole: its samples in flight on a dead engine generated again elsewhere (re-sent by vime,
 ``fault/requeued_samples``, or by vllm-router itself; counted by the engines' ``vllm:request_success_total``), the trained prompts exactly the data source's first ones, each
 sample of its group once, with the fixed response length; the train-rollout log-prob difference stays at the fp32
-level at every step (no sample comes from an engine without the current weights); each replacement joins after a
+level at every step (no sample comes from an engine without the current weights; without ``--keep-old-actor``,
+train_async.py trains most rollouts a version after theirs, which shows); each replacement joins after a
 weight sync and serves; nothing is left running. About 12 min of CI on a slow 2-core machine (was 6 runs, 20 min).
 """
 
@@ -29,6 +32,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -45,8 +49,7 @@ from rollout_hold import FUNCTION as HELD_ROLLOUT
 from sync_hold import HOLD_ENV, HOOK, HOOK_DIR
 
 from vime.backends.vllm_utils import fork_server
-from vime.backends.vllm_utils.engine import SERVER_MODULES
-from vime.backends.vllm_utils.engine_monitor import PORT_TAKEN
+from vime.backends.vllm_utils.engine import PORT_TAKEN, SERVER_MODULES
 from vime.ray.rollout import LOG_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
@@ -100,9 +103,11 @@ class FaultScript(threading.Thread):
     """Runs ``script(self)`` beside a training run: it finds the run's servers by its marker, waits for the run to
     reach a point, and injects a fault there. What each fault saw is in :attr:`faults`; an error in :attr:`error`."""
 
-    def __init__(self, marker: str, run_dir: Path, script: Callable[[FaultScript], None]):
+    def __init__(
+        self, marker: str, run_dir: Path, script: Callable[[FaultScript], None], num_engines: int = 2
+    ):
         super().__init__(name="fault-script", daemon=True)
-        self.marker, self.script = marker, script
+        self.marker, self.script, self.num_engines = marker, script, num_engines
         self.log_dir, self.hold_dir, self.rollouts_dir = (
             run_dir / "logs",
             run_dir / "hold",
@@ -306,8 +311,8 @@ class FaultScript(threading.Thread):
         hold_out: bool = False,
     ) -> None:
         """Once rollout ``rollout_id`` has requests running on an engine: SIGKILL (``hang``: SIGSTOP) the API server
-        of that engine (``engines=2``: of every engine), and with ``router`` SIGKILL the router too. With
-        ``hold_out``, every engine server the run starts from then on is stopped as it appears until
+        of that engine (``engines=2``: of every engine; in a run of one engine, its only one), and with ``router``
+        SIGKILL the router too. With ``hold_out``, every engine server the run starts from then on is stopped as it appears until
         :meth:`hold_until_replacements_up`, so the sync after the fault begins while the replacement still starts (as
         wherever an engine start outlasts a step) and must go on without it, whatever the machine's speed. Records
         the samples in flight on the victims and how many samples the other engines (and the replacements) generated
@@ -324,7 +329,8 @@ class FaultScript(threading.Thread):
         )
         # nothing generates now: the rollout before has ended, and so has the weight sync after it, if any
         self.wait(
-            "the run's two engines and its router", lambda: len(self.engines()) == 2 and self.router_pid()
+            "the run's engines and its router",
+            lambda: len(self.engines()) == self.num_engines and self.router_pid(),
         )
         self._pids, router_pid = self.engines(), self.router_pid()
         if hold_out:
@@ -557,28 +563,93 @@ def _script_train_async(s: FaultScript) -> None:
     s.hold_until_replacements_up(9, 3)
 
 
-# the fault script, the loop's flags, rollouts, whether its engines run vLLM's CPU layout (a worker process bound to
-# the slot's cores, checked below) rather than the tests' one-process layout (tests/e2e/conftest.py), which starts
-# each of the train.py run's seven engines ~9 s sooner
-FAULTS = {"train.py": 4, "train_async.py": 2}
+def _script_only_engine_async(s: FaultScript) -> None:
+    """train_async.py with one engine and without ``--keep-old-actor``: the only engine SIGKILLed mid-rollout 1, while
+    the actor trains on rollout 0 (it is then a version ahead of the engine, and keeps no copy of the weights the
+    rollout began with). No engine is left: the replacement gets the actor's weights as the next version once the
+    actor has trained, and generates the whole rollout again."""
+    s.strike_mid_rollout(1)
+
+
+def _check_train(by_rollout: dict[int, dict], records: list[dict], versions: dict[int, set[int]]) -> None:
+    # the sync after each single-engine fault went on with the survivor instead of waiting for the replacement
+    assert [by_rollout[k]["weight_sync/engines"] for k in (1, 4, 6, 7)] == [1, 1, 1, 1], records
+    assert [r["fault/sync_retries"] for r in records] == [1.0 if k == 6 else 0.0 for k in range(len(records))]
+
+
+def _check_train_async(
+    by_rollout: dict[int, dict], records: list[dict], versions: dict[int, set[int]]
+) -> None:
+    assert by_rollout[1]["weight_sync/engines"] == 1, records
+
+
+def _check_only_engine_async(
+    by_rollout: dict[int, dict], records: list[dict], versions: dict[int, set[int]]
+) -> None:
+    # train_async.py generates rollouts 0 and 1 with version 1, and rollout k > 1 with version k (pushed once rollout
+    # k-2 is trained). Here the replacement generates all of rollout 1 with the actor's weights (trained on rollout 0:
+    # the fp32-level difference above) pushed as version 2. A request keeps the version it was sent with (a
+    # conservative stamp), and vllm-router holds a request it cannot place for up to ~0.7 s (its 5 retries with
+    # backoff), so one sent just before the push and placed on the replacement just after it carries version 1
+    # (seen: 24 of 64 samples). The sync after that step pushes the same weights again, as version 3, which rollout
+    # 2 is generated with
+    assert versions[0] == {1} and versions[1] <= {1, 2} and versions[2] == {3}, versions
+
+
+@dataclass(frozen=True)
+class Case:
+    """One scripted run: its loop, its fault script and how many faults that injects, its flags, rollouts and engines.
+    ``cpu_layout``: its engines run vLLM's CPU layout (a worker process bound to the slot's cores, checked below)
+    rather than the tests' one-process layout (tests/e2e/conftest.py), which starts each engine ~9 s sooner.
+    ``one_step_behind``: the rollouts that train one version after the weights that generated them
+    (train_async.py without ``--keep-old-actor``); every other rollout trains on exactly those weights.
+    ``across_a_push``: the rollouts generated across a push of a new version to stranded replacements, whose samples
+    may carry the version before it (see ``_check_only_engine_async``); every other rollout carries one version.
+    ``check``: the case's own checks, given the records by rollout, the records, and each rollout's weight
+    versions."""
+
+    script: str
+    fault_script: Callable[[FaultScript], None]
+    num_faults: int
+    num_rollout: int
+    check: Callable[[dict[int, dict], list[dict], dict[int, set[int]]], None]
+    flags: tuple[str, ...] = ()
+    num_engines: int = 2
+    cpu_layout: bool = False
+    one_step_behind: frozenset[int] = frozenset()
+    across_a_push: frozenset[int] = frozenset()
+
+
 CASES = {
-    "train.py": (_script_train, [], 12, False),
-    "train_async.py": (_script_train_async, ["--keep-old-actor"], 9, True),
-}
+    "train.py": Case("train.py", _script_train, 4, 12, _check_train),
+    "train_async.py": Case(
+        "train_async.py", _script_train_async, 2, 9, _check_train_async, ("--keep-old-actor",), cpu_layout=True
+    ),
+    # the old actor's copy is not kept: rollout 2 trains a version after the one that generated it (as would rollout
+    # 1, had the replacement not got the actor's weights)
+    "train_async.py-one-engine": Case(
+        "train_async.py", _script_only_engine_async, 1, 3, _check_only_engine_async, num_engines=1,
+        one_step_behind=frozenset({2}), across_a_push=frozenset({1}),
+    ),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("script", list(CASES))
-def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny_model_dir, tmp_path, script):
-    fault_script, flags, num_rollout, cpu_layout = CASES[script]
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(
+    tiny_model_dir, tmp_path, case_name
+):
+    case = CASES[case_name]
+    num_rollout = case.num_rollout
     marker = f"ft-{os.getpid()}-{time.time_ns()}"
-    faults = FaultScript(marker, tmp_path, fault_script)
+    faults = FaultScript(marker, tmp_path, case.fault_script, case.num_engines)
     log_dir, hold_dir = faults.log_dir, faults.hold_dir
     argv = [
-        sys.executable, str(REPO / script), "--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir),
+        sys.executable, str(REPO / case.script), "--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir),
         "--prompt-data", str(tiny_model_dir / "train.jsonl"), "--rm-type", "exact",
         "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
         "--rollout-max-response-len", str(RESPONSE_LEN), "--rollout-function-path", HELD_ROLLOUT,
-        "--num-rollout", str(num_rollout), "--lr", "1e-3", "--rollout-num-gpus", "2", "--use-fault-tolerance",
+        "--num-rollout", str(num_rollout), "--lr", "1e-3", "--rollout-num-gpus", str(case.num_engines),
+        "--use-fault-tolerance",
         "--entropy-coef", "0.1",  # the random policy earns no reward: this gradient moves the weights every step
         # the default 30 s health-check timeout: 10 s once replaced healthy engines of a loaded 2-core machine
         "--rollout-health-check-interval", "1",
@@ -588,7 +659,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
         "--check-weight-update-equal",  # every sync, sync retry and push to stranded replacements checks the engines
         # the script's hold points (FaultScript.hold): in a sync, and before a rollout (bench.fixed_length's, held)
         "--custom-update-weight-paused-path", HOOK,
-        *flags,
+        *case.flags,
     ]  # fmt: skip
     faults.start()
     try:
@@ -601,7 +672,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
             env=run_env(
                 marker,
                 PYTHONPATH=os.pathsep.join([str(REPO), HOOK_DIR]),
-                VLLM_ENABLE_V1_MULTIPROCESSING=str(int(cpu_layout)),
+                VLLM_ENABLE_V1_MULTIPROCESSING=str(int(case.cpu_layout)),
                 **{HOLD_ENV: str(hold_dir)},
             ),
         )
@@ -628,7 +699,8 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
     assert result.returncode == 0, diagnosis + result.stdout[-2000:] + result.stderr[-4000:] + logs
     assert faults.left_stopped == {}, f"the fault script left run processes stopped: {diagnosis}"
     assert faults.error is None, f"{faults.error!r}{diagnosis}"
-    assert not faults.is_alive() and len(faults.faults) == FAULTS[script], faults.faults  # every fault struck
+    # every fault struck
+    assert not faults.is_alive() and len(faults.faults) == case.num_faults, faults.faults
     records = [r for r in read_metrics(log_dir) if "rollout/reward_mean" in r]
     assert [r["rollout_id"] for r in records] == list(range(num_rollout))
     by_rollout = {r["rollout_id"]: r for r in records}
@@ -647,7 +719,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
         # the polls' thaws and the strike hit the next one; now the rollout is held until the engines are frozen
         assert fault["generated_again"] >= fault["in_flight"], (fault, diagnosis)
     # replacement_up_s: its start while training went on
-    print(f"[faults] {script}: {faults.faults}\n{faults.poll_log()}")
+    print(f"[faults] {case_name}: {faults.faults}\n{faults.poll_log()}")
 
     # the rollouts: whole, each prompt of the data source once in order, each sample of a group once, fixed length
     prompts = []
@@ -666,12 +738,18 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
 
     # the weights move every step (lr 1e-3), so a sample from an engine a version behind or ahead of the one its
     # stamp names would show ~1e-3: every rollout trains on samples whose log-probs the trainer reproduces at the fp32
-    # level, and carries one weight version. That includes train_async.py's rollout whose engines all died while the
-    # actor was a step ahead: the replacements get the old actor's kept copy, the version the rollout began with
+    # level, and carries one weight version (but see ``Case.across_a_push``). That includes train_async.py's rollouts
+    # whose engines all died while the actor was a step ahead: with --keep-old-actor the replacements get the old
+    # actor's kept copy, the version the rollout began with; without it, the actor's weights, which then train on the
+    # rollout. A rollout that trains a version after its own (``one_step_behind``) shows that difference
     for rollout_id, record in by_rollout.items():
         diff = record["train/train_rollout_logprob_abs_diff"]
-        assert diff < FP32_DIFF, (rollout_id, diff, versions_by_rollout[rollout_id])
-        assert len(versions_by_rollout[rollout_id]) == 1, (rollout_id, versions_by_rollout[rollout_id])
+        if rollout_id in case.one_step_behind:
+            assert diff > FP32_DIFF, (rollout_id, diff, versions_by_rollout[rollout_id])
+        else:
+            assert diff < FP32_DIFF, (rollout_id, diff, versions_by_rollout[rollout_id])
+        if rollout_id not in case.across_a_push:
+            assert len(versions_by_rollout[rollout_id]) == 1, (rollout_id, versions_by_rollout[rollout_id])
     assert all(by_rollout[k]["train/grad_norm"] > 0 for k in by_rollout), (
         "the weights did not move every step"
     )
@@ -683,7 +761,7 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
     restarts = records[-1]["fault/engine_restarts"]
     assert restarts == sum(len(f["victims"]) for f in faults.faults), (restarts, diagnosis)
     # each replacement is in the run's log, with what showed the engine dead or hung; a replacement whose free port
-    # another process bound first is started again, not counted as a restart (engine_monitor.PORT_TAKEN)
+    # another process bound first is started again, not counted as a restart (engine.PORT_TAKEN)
     lost_ports = len(re.findall(r"engine \d+ lost its port to another process", events))
     replaced = re.findall(r"engine \d+ at \S+ is dead or hung \(.+\); replacing it", events)
     assert len(replaced) == restarts + lost_ports, events
@@ -700,22 +778,16 @@ def test_faults_one_after_another_lose_no_sample_and_keep_the_weights_exact(tiny
     # the last fault killed every engine: of its two replacements (each slot's last) the router may send every
     # request to one; every earlier replacement, the only new engine of its fault, served
     last = {
-        max((n for n in served if n.startswith(f"engine_{slot}.")), key=_restart_number) for slot in (0, 1)
+        max((n for n in served if n.startswith(f"engine_{slot}.")), key=_restart_number)
+        for slot in range(case.num_engines)
     }
     assert all(ok for name, ok in served.items() if name not in last) and any(
         served[name] for name in last
     ), served
-    assert records[-1]["weight_sync/engines"] == 2, records[-1]
-    if script == "train.py":
-        # the sync after each single-engine fault went on with the survivor instead of waiting for the replacement
-        assert [by_rollout[k]["weight_sync/engines"] for k in (1, 4, 6, 7)] == [1, 1, 1, 1], records
-        assert [r["fault/sync_retries"] for r in records] == [
-            1.0 if k == 6 else 0.0 for k in range(num_rollout)
-        ]
-    else:
-        assert by_rollout[1]["weight_sync/engines"] == 1, records
+    assert records[-1]["weight_sync/engines"] == case.num_engines, records[-1]
+    case.check(by_rollout, records, versions_by_rollout)
 
-    if cpu_layout:
+    if case.cpu_layout:
         _check_each_slot_keeps_its_cores(log_dir)
     assert wait_until_no_marked_processes(marker, timeout=30) == []
     assert not [

@@ -1,9 +1,9 @@
 """``train.py`` joins an existing Ray cluster (``ray start --head`` + ``RAY_ADDRESS``, with the token authentication
 Ray 2.60 turns on, so the driver runs with ``RAY_AUTH_MODE=token`` as the README says) instead of starting its own.
-With ``--rollout-session-id`` its engines outlive a killed driver and serve the resubmitted run, which resumes from
-the last checkpoint, finishes, and leaves the cluster running but free of its processes. (One scenario covers both:
-each run here costs an engine start; tests/unit/test_serving_session.py checks that only a session's engines are
-detached actors.)"""
+A run from start to end leaves the cluster running but free of its processes. With ``--rollout-session-id`` its
+engines outlive a killed driver and serve the resubmitted run, which resumes from the last checkpoint, finishes, and
+leaves the cluster free of its processes too (tests/unit/test_serving_session.py checks that only a session's engines
+are detached actors)."""
 
 from __future__ import annotations
 
@@ -121,6 +121,31 @@ def _checkpointed(ckpt: Path, rollout_id: int) -> bool:
     path = ckpt / "latest_checkpointed_iteration.txt"
     marked = path.exists() and path.read_text().strip() == str(rollout_id)
     return marked and (ckpt / f"iter_{rollout_id:07d}" / "data_source.json").exists()
+
+
+def test_a_run_without_a_session_runs_on_the_cluster_and_leaves_nothing_there(
+    tiny_model_dir, tmp_path, cluster
+):
+    """train.py from start to end on the cluster, without ``--rollout-session-id``: its actors run on the cluster's
+    workers, and its engines, router and actors end with it while the cluster stays up."""
+    workers = set(cluster.temp_dir.glob("session_*/logs/worker-*"))
+    result = subprocess.run(
+        _argv(tiny_model_dir, tmp_path / "logs", "--num-rollout", "2"),
+        env=cluster.driver_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Connected to Ray cluster" in result.stderr and "Started a local Ray instance" not in result.stderr
+    assert set(cluster.temp_dir.glob("session_*/logs/worker-*")) - workers, (
+        "the run's actors did not run on the cluster"
+    )
+    assert [r["rollout_id"] for r in read_metrics(tmp_path / "logs")] == [0, 1]
+    assert _wait_until_no_run_processes(cluster.marker) == []
+    assert any("gcs_server" in p for p in marked_processes(cluster.marker)), (
+        "the test's cluster should still run"
+    )
 
 
 def test_engines_outlive_a_killed_trainer_and_serve_its_resubmission(tiny_model_dir, tmp_path, cluster):

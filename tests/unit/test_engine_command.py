@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,8 +17,10 @@ from aiohttp import web
 
 from vime.backends.vllm_utils import engine as engine_mod
 from vime.backends.vllm_utils import fork_server, process_guard
+from vime.backends.vllm_utils import router as router_mod
 from vime.backends.vllm_utils.control_client import EngineControlClient, EngineControlError
 from vime.backends.vllm_utils.engine import (
+    PORT_TAKEN,
     EngineStartError,
     ServerProcess,
     VLLMEngine,
@@ -26,7 +29,12 @@ from vime.backends.vllm_utils.engine import (
     check_private_host,
     server_module,
 )
-from vime.backends.vllm_utils.router import RouterProcess, build_router_command, router_executable
+from vime.backends.vllm_utils.router import (
+    RouterProcess,
+    build_router_command,
+    router_executable,
+    start_router,
+)
 from vime.utils.arguments import parse_args
 
 BASE = (
@@ -165,6 +173,33 @@ def test_router_command_passes_router_flags_after_a_free_metrics_port():
     assert int(cmd[6]) not in (29000, 30001)
     assert cmd[7:] == ["--policy", "round_robin", "--prometheus-port", "29100"]  # the user's port wins
     assert len(build_router_command(_args(), "127.0.0.1", 30001)) == 7
+
+
+def test_a_router_whose_metrics_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """Another process binds the free metrics port chosen for the router before the router does (seen with three runs
+    starting side by side): the router exits at start, and :func:`start_router` starts it again on a new port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]  # the first choice: already taken
+        real_free_port = router_mod.free_port
+        monkeypatch.setattr(router_mod, "free_port", lambda: ports.pop() if ports else real_free_port())
+        router = start_router(_args(), log_path=tmp_path / "router.log")
+        try:
+            assert router.is_alive() and not ports
+            assert PORT_TAKEN in (tmp_path / "router.log").read_text()  # the first start lost its port
+        finally:
+            router.stop()
+
+
+def test_a_router_that_fails_otherwise_is_not_started_again(tmp_path, monkeypatch):
+    chosen = []
+    real_free_port = router_mod.free_port
+    monkeypatch.setattr(router_mod, "free_port", lambda: chosen.append(real_free_port()) or chosen[-1])
+    monkeypatch.setattr(router_mod, "router_executable", lambda: "false")  # exits at once, with code 1
+    with pytest.raises(EngineStartError, match="exited with code 1"):
+        start_router(_args(), log_path=tmp_path / "router.log")
+    assert len(chosen) == 1  # one start
 
 
 @pytest.fixture(params=["popen", "forked"])

@@ -200,10 +200,7 @@ def test_a_restarted_router_gets_only_the_engines_that_passed_the_check(router, 
             super().__init__(url, alive)
             self.log_path = Path("/tmp") / f"{url}.log"
 
-        def wait_ready_sync(self, timeout=None) -> float:
-            return 0.0
-
-    monkeypatch.setattr(engine_monitor, "RouterProcess", lambda *a, **k: FakeRouter("router2"))
+    monkeypatch.setattr(engine_monitor, "start_router", lambda *a, **k: FakeRouter("router2"))
     probed = []
     down_reason = EngineMonitor._down_reason  # the fixture's
 

@@ -27,7 +27,7 @@ from vime.backends.vllm_utils.engine_monitor import EngineMonitor
 from vime.backends.vllm_utils.external_engines import external_engines
 from vime.backends.vllm_utils.generate_api import ENGINE_FLAG as GENERATE_ENGINE_FLAG
 from vime.backends.vllm_utils.routed_experts import engine_options as routed_experts_engine_options
-from vime.backends.vllm_utils.router import RouterProcess, connect_router, register_workers
+from vime.backends.vllm_utils.router import RouterProcess, connect_router, register_workers, start_router
 from vime.rollout.base_types import call_rollout_fn
 from vime.rollout.data_source import RolloutDataSource
 from vime.rollout.lifecycle import RolloutFunctions
@@ -182,10 +182,8 @@ class RolloutManager:
         for engine, spec in zip(engines, self.specs[self.num_engines :], strict=True):
             by_model.setdefault(spec.model, []).append(engine)
         for name, model_engines in by_model.items():
-            router = RouterProcess(self.args, log_path=self.log_dir / f"router_{name}.log")
+            router = start_router(self.args, log_path=self.log_dir / f"router_{name}.log")
             self.frozen[name] = (model_engines, router)
-            router.start()
-            router.wait_ready_sync()
             run(register_workers(router.url, [engine.url for engine in model_engines]))
 
     def generate(self, rollout_id: int, weights_ahead: bool = False) -> RolloutFnTrainOutput:

@@ -51,6 +51,11 @@ class EngineStartError(RuntimeError):
     """A server exited or did not become healthy in time; the message has the command and the log tail."""
 
 
+# What a server's log ends with when another process bound a free port chosen for it before it did (vLLM's server
+# and vllm-router alike): a start lost to a race, not a failure of the server.
+PORT_TAKEN = "Address already in use"
+
+
 def check_private_host(host: str) -> None:
     """Raise ValueError unless ``host`` resolves only to loopback or private addresses (not 0.0.0.0)."""
     try:

@@ -32,15 +32,19 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 from vime.backends.vllm_utils import control_auth
-from vime.backends.vllm_utils.engine import ServerProcess
+from vime.backends.vllm_utils.engine import PORT_TAKEN, ServerProcess
 from vime.backends.vllm_utils.engine_fleet import EngineHandle
-from vime.backends.vllm_utils.router import RouterError, RouterProcess, register_workers, unregister_worker
+from vime.backends.vllm_utils.router import (
+    RouterError,
+    RouterProcess,
+    register_workers,
+    start_router,
+    unregister_worker,
+)
 from vime.utils.async_utils import run
 from vime.utils.run_context import RunContext
 
 logger = logging.getLogger(__name__)
-# What a replacement's log ends with when another process took the free port chosen for it before it bound it.
-PORT_TAKEN = "Address already in use"
 
 
 class EngineMonitor:
@@ -234,13 +238,10 @@ class EngineMonitor:
             raise RuntimeError(
                 f"the router died {self.router_restarts} times; last lines of {dead.log_path}:\n{dead.log_tail(40)}"
             )
-        router = RouterProcess(
+        self.router = start_router(
             self.args, host=dead.host, port=dead.port,
             log_path=dead.log_path.with_name(f"router.restart{self.router_restarts}.log"),
         )  # fmt: skip
-        router.start()
-        router.wait_ready_sync()
-        self.router = router
         with self.lock:
             admitted = [
                 e

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -21,9 +22,11 @@ from pathlib import Path
 
 import aiohttp
 
-from vime.backends.vllm_utils.engine import ServerProcess, private_port
+from vime.backends.vllm_utils.engine import PORT_TAKEN, EngineStartError, ServerProcess, private_port
 from vime.utils.misc import free_port
 from vime.utils.passthrough_args import passthrough_cli_args
+
+logger = logging.getLogger(__name__)
 
 
 def router_executable() -> str:
@@ -82,6 +85,31 @@ class RouterProcess(ServerProcess):
             port=port,
             log_path=log_path,
             start_timeout=60.0,  # it starts in about a second
+        )
+
+
+def start_router(
+    args: argparse.Namespace,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    log_path: str | Path | None = None,
+    tries: int = 3,
+) -> RouterProcess:
+    """A ready :class:`RouterProcess`. Another process may bind a free port chosen for it (``port``, unless given,
+    and its metrics port) before the router does, which then exits at start: it is started again on new free ports,
+    up to ``tries`` starts in all; any other start failure raises at once."""
+    for attempt in range(1, tries + 1):
+        router = RouterProcess(args, host=host, port=port, log_path=log_path).start()
+        try:
+            router.wait_ready_sync()
+            return router
+        except EngineStartError as exc:
+            if PORT_TAKEN not in str(exc) or attempt == tries:
+                raise
+        logger.warning(
+            "vllm-router lost a port to another process at start; starting it again (%d of %d)",
+            attempt + 1,
+            tries,
         )
 
 
@@ -149,7 +177,5 @@ def connect_router(
                 f"no vllm-router answers at {url} (--vllm-router-ip/--vllm-router-port): {exc}"
             ) from exc
         return url, None
-    router = RouterProcess(args, log_path=log_path)
-    router.start()
-    router.wait_ready_sync()
+    router = start_router(args, log_path=log_path)
     return router.url, router
