@@ -4,7 +4,9 @@ Megatron-Core's grouped-GEMM experts need TransformerEngine; its local fallback,
 GEMM pair per expert (128 experts: 384 kernel launches per layer and pass, each on a few dozen tokens).
 :class:`GroupedGemmExperts` keeps ``SequentialMLP``'s parameters (names, shapes, checkpoints, weight sync are
 unchanged) and computes all experts at once with ``torch.nn.functional.grouped_mm`` over the per-expert weights
-stacked for the pass. Where grouped GEMM does not apply (not CUDA bf16, a single local expert, expert tensor
+stacked for the pass (:func:`~vime.backends.megatron_utils.grouped_linear.grouped_linear`: one grouped GEMM per
+projection forward, two backward, the weight gradients accumulated into Megatron DDP's ``main_grad`` in a few
+launches). Where grouped GEMM does not apply (not CUDA bf16, a single local expert, expert tensor
 parallelism; checked per forward) it runs ``SequentialMLP``'s loop.
 """
 
@@ -19,7 +21,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+from vime.backends.megatron_utils.grouped_linear import grouped_linear, grouped_mm
 
 
 def check_grouped_gemm_config(config: TransformerConfig) -> None:
@@ -61,12 +63,12 @@ class GroupedGemmExperts(SequentialMLP):
         hidden = permuted_local_hidden_states
         if not self._grouped(hidden):
             return super().forward(hidden, tokens_per_expert, permuted_probs)
-        ends = torch.cumsum(tokens_per_expert.to(hidden.device), 0, dtype=torch.int32)
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, ffn(x2), h]
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, h, ffn]
-        intermediate = grouped_mm(hidden, fc1.transpose(1, 2), offs=ends)
-        intermediate = self._activate(intermediate, permuted_probs)
-        return grouped_mm(intermediate, fc2.transpose(1, 2), offs=ends), None
+        # the counts are often on the host: sum them there, then one copy (no cumsum kernel)
+        ends = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(hidden.device)
+        fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # each [ffn (x2 gated), hidden]
+        fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # each [hidden, ffn]
+        intermediate = self._activate(grouped_linear(hidden, fc1, ends), permuted_probs)
+        return grouped_linear(intermediate, fc2, ends), None
 
     def _activate(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The expert MLP's activation, each token scaled by its routing probability (as ``MLP`` does)."""

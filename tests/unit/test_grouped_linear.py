@@ -1,0 +1,114 @@
+"""grouped_linear (the MoE experts' grouped GEMM with fused weight-gradient accumulation) against a per-expert loop,
+on plain weights and on weights emulating Megatron DDP's main_grad buffer and backward hook."""
+
+import pytest
+import torch
+
+from vime.backends.megatron_utils.grouped_linear import grouped_linear, grouped_mm
+
+pytestmark = pytest.mark.skipif(grouped_mm is None, reason="torch without grouped_mm")
+
+TOKENS = [3, 0, 5, 4]  # expert 1 gets no tokens
+
+
+def _offs() -> torch.Tensor:
+    return torch.cumsum(torch.tensor(TOKENS), 0, dtype=torch.int32)
+
+
+def _weights(out_features: int, in_features: int, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(out_features, in_features, generator=gen).bfloat16()) for _ in TOKENS
+    ]
+
+
+def _inputs(in_features: int, out_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(TOKENS), in_features, generator=gen).bfloat16()
+    return x, torch.randn(sum(TOKENS), out_features, generator=gen).bfloat16()
+
+
+def _reference(x: torch.Tensor, grad_out: torch.Tensor, weights: list[torch.Tensor]):
+    """Output, input gradient and weight gradients of the per-expert loop, in fp32."""
+    x = x.float().requires_grad_()
+    ws = [w.detach().float().requires_grad_() for w in weights]
+    out = torch.cat([rows @ w.t() for rows, w in zip(x.split(TOKENS), ws, strict=True)])
+    out.backward(grad_out.float())
+    return out.detach(), x.grad, [w.grad for w in ws]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual.float(), expected, atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("in_features,out_features", [(16, 8), (8, 16)])
+def test_plain_weights_get_the_loops_gradients(in_features, out_features):
+    weights = _weights(out_features, in_features)
+    x, grad_out = _inputs(in_features, out_features, seed=1)
+    out_ref, grad_x_ref, grads_ref = _reference(x, grad_out, weights)
+    x = x.requires_grad_()
+    out = grouped_linear(x, weights, _offs())
+    out.backward(grad_out)
+    _close(out, out_ref)
+    _close(x.grad, grad_x_ref)
+    for w, ref in zip(weights, grads_ref, strict=True):
+        assert w.grad.dtype == w.dtype and w.grad.shape == w.shape
+        _close(w.grad, ref)
+    assert torch.count_nonzero(weights[1].grad) == 0  # the expert without tokens
+
+
+def _megatron_ddp(weights: list[torch.nn.Parameter]) -> list:
+    """Emulate Megatron DDP (overlap_grad_reduce on): main_grads are views of one fp32 buffer in reverse parameter
+    order, and a hook after each parameter's AccumulateGrad asserts a grad, adds it unless grad_added_to_main_grad
+    is set, then drops it (distributed_data_parallel.py, _make_backward_post_hook). Returns the AccumulateGrad
+    nodes, which the caller keeps alive (as DDP does) for the hooks to stay."""
+    numel = weights[0].numel()
+    buffer = torch.zeros(len(weights) * numel)
+    grad_accs = []
+    for i, w in enumerate(reversed(weights)):
+        w.main_grad = buffer[i * numel : (i + 1) * numel].view(w.shape)
+        w.grad_added_to_main_grad = False
+
+        def hook(*_, w=w):
+            assert w.grad is not None, "param.grad being None is not safe when overlap_grad_reduce is True"
+            if not w.grad_added_to_main_grad:
+                w.main_grad.add_(w.grad.data)
+            w.grad = None
+
+        grad_accs.append(w.expand_as(w).grad_fn.next_functions[0][0])
+        grad_accs[-1].register_hook(hook)
+    return grad_accs
+
+
+@pytest.mark.parametrize("in_features,out_features", [(16, 8), (8, 16)])
+def test_main_grads_accumulate_over_micro_batches(in_features, out_features):
+    weights = _weights(out_features, in_features)
+    grad_accs = _megatron_ddp(weights)  # noqa: F841 (kept alive)
+    expected = [torch.zeros(w.shape) for w in weights]
+    for seed in (1, 2):
+        x, grad_out = _inputs(in_features, out_features, seed)
+        out_ref, grad_x_ref, grads_ref = _reference(x, grad_out, weights)
+        x = x.requires_grad_()
+        out = grouped_linear(x, weights, _offs())
+        out.backward(grad_out)
+        _close(out, out_ref)
+        _close(x.grad, grad_x_ref)
+        for w, total, ref in zip(weights, expected, grads_ref, strict=True):
+            total += ref
+            assert w.grad is None and w.grad_added_to_main_grad
+            assert w.main_grad.dtype == torch.float32
+            _close(w.main_grad, total)
+    assert torch.count_nonzero(weights[1].main_grad) == 0
+
+
+def test_main_grads_without_ddp_hook_state_get_no_autograd_gradient():
+    """Megatron's convention: a weight with main_grad but no grad_added_to_main_grad (not under DDP) gets None."""
+    weights = _weights(8, 16)
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape)
+    x, grad_out = _inputs(16, 8, seed=3)
+    _, _, grads_ref = _reference(x, grad_out, weights)
+    grouped_linear(x, weights, _offs()).backward(grad_out)
+    for w, ref in zip(weights, grads_ref, strict=True):
+        assert w.grad is None
+        _close(w.main_grad, ref)
