@@ -349,8 +349,15 @@ def test_convert_tools_round_trip(models, tmp_path):
 
 def test_grouped_gemm_experts_match_the_sequential_loop(models):
     """``--moe-grouped-gemm`` (vime's torch grouped-GEMM experts) computes what Megatron's per-expert loop does:
-    the same bf16 log-probs up to rounding and the same expert gradients (cosine similarity)."""
+    the same bf16 log-probs up to rounding and, through Megatron's DDP over two micro-batches, the same expert
+    main_grads (cosine similarity, overall and per parameter; zero where an expert got no tokens). The experts'
+    weight gradients reach main_grad by ``_foreach_add_``, not by DDP's per-parameter ``main_grad.add_`` hook.
+    Also run tests/unit/test_grouped_linear.py here (its CUDA cases):
+    bash tests/gpu/run.sh tests/gpu/test_megatron_gpu.py tests/unit/test_grouped_linear.py -k grouped"""
+    from torch.profiler import ProfilerActivity, profile
+
     from vime.backends.megatron_utils.grouped_experts import GroupedGemmExperts
+    from vime.backends.megatron_utils.grouped_linear import _accumulates_in
     from vime.backends.megatron_utils.trainer import MegatronTrainer
 
     samples = samples_for_test()
@@ -360,27 +367,43 @@ def test_grouped_gemm_experts_match_the_sequential_loop(models):
         trainer = MegatronTrainer(config)
         assert any(isinstance(m, GroupedGemmExperts) for m in trainer.module.modules()) == grouped
         log_probs = trainer.compute_log_probs(samples)
-        trainer.train(0, samples, [1.0, -1.0] * 3, log_probs=log_probs)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            trainer.train(0, samples, [1.0, -1.0] * 3, log_probs=log_probs)
+        ops = {e.key: e.count for e in prof.key_averages()}
         grads = {
             n: p.main_grad.detach().float().clone()
             for n, p in trainer.module.named_parameters()
             if ".experts." in n
         }
-        results[grouped] = (torch.cat(log_probs), grads)
+        results[grouped] = (torch.cat(log_probs), grads, ops)
         del trainer
         torch.cuda.empty_cache()
-    (lp_loop, g_loop), (lp_grouped, g_grouped) = results[False], results[True]
+    (lp_loop, g_loop, ops_loop), (lp_grouped, g_grouped, ops_grouped) = results[False], results[True]
     assert float((lp_loop - lp_grouped).abs().mean()) < 1e-2
     names = sorted(g_loop)
     assert names == sorted(g_grouped) and names
     flat_loop = torch.cat([g_loop[n].flatten() for n in names])
-    flat_grouped = torch.cat([g_grouped[n].flatten() for n in names])
     assert float(flat_loop.norm()) > 0
-    cosine = float(torch.nn.functional.cosine_similarity(flat_loop, flat_grouped, dim=0))
+    cosine = _cosine(flat_loop, torch.cat([g_grouped[n].flatten() for n in names]))
+    adds = (ops_loop.get("aten::add_", 0), ops_grouped.get("aten::add_", 0))
     print(
         f"\n[grouped GEMM experts] log-prob diff {float((lp_loop - lp_grouped).abs().mean()):.2e}, grad cos {cosine:.5f}"
+        f", aten::add_ in train {adds[0]} (loop) vs {adds[1]} (grouped), _foreach_add_ "
+        f"{ops_grouped.get('aten::_foreach_add_', 0)}, fp32 wgrad {_accumulates_in('cuda', torch.bfloat16, torch.float32)}"
     )
     assert cosine > 0.99
+    for n in names:
+        if float(g_loop[n].norm()) == 0:  # an expert without tokens in both micro-batches
+            assert float(g_grouped[n].norm()) == 0, n
+        else:
+            assert _cosine(g_loop[n].flatten(), g_grouped[n].flatten()) > 0.95, n
+    # on the loop path DDP's hook adds each expert weight's gradient into main_grad (per micro-batch)
+    assert adds[0] - adds[1] >= len(names), adds
+    assert ops_grouped.get("aten::_foreach_add_", 0) > 0
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
 _PROVIDER = {"args": None, "calls": 0}

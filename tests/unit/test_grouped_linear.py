@@ -1,5 +1,6 @@
 """grouped_linear (the MoE experts' grouped GEMM with fused weight-gradient accumulation) against a per-expert loop,
-on plain weights and on weights emulating Megatron DDP's main_grad buffer and backward hook."""
+on plain weights and on weights emulating Megatron DDP's main_grad buffer and backward hook. On CPU, and on CUDA
+where there is one (the GPU command in tests/gpu/test_megatron_gpu.py's grouped test runs this file too)."""
 
 import pytest
 import torch
@@ -9,23 +10,23 @@ from vime.backends.megatron_utils.grouped_linear import grouped_linear, grouped_
 pytestmark = pytest.mark.skipif(grouped_mm is None, reason="torch without grouped_mm")
 
 TOKENS = [3, 0, 5, 4]  # expert 1 gets no tokens
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _offs() -> torch.Tensor:
-    return torch.cumsum(torch.tensor(TOKENS), 0, dtype=torch.int32)
+def _offs(device: str) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(TOKENS), 0, dtype=torch.int32).to(device)
 
 
-def _weights(out_features: int, in_features: int, seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.nn.Parameter(torch.randn(out_features, in_features, generator=gen).bfloat16()) for _ in TOKENS
-    ]
+def _weights(out_features: int, in_features: int, device: str) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    shape = (out_features, in_features)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen).bfloat16().to(device)) for _ in TOKENS]
 
 
-def _inputs(in_features: int, out_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(in_features: int, out_features: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(TOKENS), in_features, generator=gen).bfloat16()
-    return x, torch.randn(sum(TOKENS), out_features, generator=gen).bfloat16()
+    return x.to(device), torch.randn(sum(TOKENS), out_features, generator=gen).bfloat16().to(device)
 
 
 def _reference(x: torch.Tensor, grad_out: torch.Tensor, weights: list[torch.Tensor]):
@@ -41,13 +42,14 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected, atol=0.1, rtol=0.02)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("in_features,out_features", [(16, 8), (8, 16)])
-def test_plain_weights_get_the_loops_gradients(in_features, out_features):
-    weights = _weights(out_features, in_features)
-    x, grad_out = _inputs(in_features, out_features, seed=1)
+def test_plain_weights_get_the_loops_gradients(in_features, out_features, device):
+    weights = _weights(out_features, in_features, device)
+    x, grad_out = _inputs(in_features, out_features, 1, device)
     out_ref, grad_x_ref, grads_ref = _reference(x, grad_out, weights)
     x = x.requires_grad_()
-    out = grouped_linear(x, weights, _offs())
+    out = grouped_linear(x, weights, _offs(device))
     out.backward(grad_out)
     _close(out, out_ref)
     _close(x.grad, grad_x_ref)
@@ -63,7 +65,7 @@ def _megatron_ddp(weights: list[torch.nn.Parameter]) -> list:
     is set, then drops it (distributed_data_parallel.py, _make_backward_post_hook). Returns the AccumulateGrad
     nodes, which the caller keeps alive (as DDP does) for the hooks to stay."""
     numel = weights[0].numel()
-    buffer = torch.zeros(len(weights) * numel)
+    buffer = torch.zeros(len(weights) * numel, device=weights[0].device)
     grad_accs = []
     for i, w in enumerate(reversed(weights)):
         w.main_grad = buffer[i * numel : (i + 1) * numel].view(w.shape)
@@ -80,16 +82,17 @@ def _megatron_ddp(weights: list[torch.nn.Parameter]) -> list:
     return grad_accs
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("in_features,out_features", [(16, 8), (8, 16)])
-def test_main_grads_accumulate_over_micro_batches(in_features, out_features):
-    weights = _weights(out_features, in_features)
+def test_main_grads_accumulate_over_micro_batches(in_features, out_features, device):
+    weights = _weights(out_features, in_features, device)
     grad_accs = _megatron_ddp(weights)  # noqa: F841 (kept alive)
-    expected = [torch.zeros(w.shape) for w in weights]
+    expected = [torch.zeros(w.shape, device=device) for w in weights]
     for seed in (1, 2):
-        x, grad_out = _inputs(in_features, out_features, seed)
+        x, grad_out = _inputs(in_features, out_features, seed, device)
         out_ref, grad_x_ref, grads_ref = _reference(x, grad_out, weights)
         x = x.requires_grad_()
-        out = grouped_linear(x, weights, _offs())
+        out = grouped_linear(x, weights, _offs(device))
         out.backward(grad_out)
         _close(out, out_ref)
         _close(x.grad, grad_x_ref)
@@ -101,14 +104,15 @@ def test_main_grads_accumulate_over_micro_batches(in_features, out_features):
     assert torch.count_nonzero(weights[1].main_grad) == 0
 
 
-def test_main_grads_without_ddp_hook_state_get_no_autograd_gradient():
+@pytest.mark.parametrize("device", DEVICES)
+def test_main_grads_without_ddp_hook_state_get_no_autograd_gradient(device):
     """Megatron's convention: a weight with main_grad but no grad_added_to_main_grad (not under DDP) gets None."""
-    weights = _weights(8, 16)
+    weights = _weights(8, 16, device)
     for w in weights:
-        w.main_grad = torch.zeros(w.shape)
-    x, grad_out = _inputs(16, 8, seed=3)
+        w.main_grad = torch.zeros(w.shape, device=device)
+    x, grad_out = _inputs(16, 8, 3, device)
     _, _, grads_ref = _reference(x, grad_out, weights)
-    grouped_linear(x, weights, _offs()).backward(grad_out)
+    grouped_linear(x, weights, _offs(device)).backward(grad_out)
     for w, ref in zip(weights, grads_ref, strict=True):
         assert w.grad is None
         _close(w.main_grad, ref)
