@@ -59,11 +59,11 @@ def test_plain_weights_get_the_loops_gradients(in_features, out_features, device
     assert torch.count_nonzero(weights[1].grad) == 0  # the expert without tokens
 
 
-def _megatron_ddp(weights: list[torch.nn.Parameter]) -> list:
+def _megatron_ddp(weights: list[torch.nn.Parameter], storages: list[int]) -> list:
     """Emulate Megatron DDP (overlap_grad_reduce on): main_grads are views of one fp32 buffer in reverse parameter
     order, and a hook after each parameter's AccumulateGrad asserts a grad, adds it unless grad_added_to_main_grad
-    is set, then drops it (distributed_data_parallel.py, _make_backward_post_hook). Returns the AccumulateGrad
-    nodes, which the caller keeps alive (as DDP does) for the hooks to stay."""
+    is set, then drops it (distributed_data_parallel.py, _make_backward_post_hook); it notes in ``storages`` where
+    each grad lives. Returns the AccumulateGrad nodes, which the caller keeps alive (as DDP does) for the hooks."""
     numel = weights[0].numel()
     buffer = torch.zeros(len(weights) * numel, device=weights[0].device)
     grad_accs = []
@@ -73,6 +73,7 @@ def _megatron_ddp(weights: list[torch.nn.Parameter]) -> list:
 
         def hook(*_, w=w):
             assert w.grad is not None, "param.grad being None is not safe when overlap_grad_reduce is True"
+            storages.append(w.grad.untyped_storage().data_ptr())
             if not w.grad_added_to_main_grad:
                 w.main_grad.add_(w.grad.data)
             w.grad = None
@@ -86,9 +87,11 @@ def _megatron_ddp(weights: list[torch.nn.Parameter]) -> list:
 @pytest.mark.parametrize("in_features,out_features", [(16, 8), (8, 16)])
 def test_main_grads_accumulate_over_micro_batches(in_features, out_features, device):
     weights = _weights(out_features, in_features, device)
-    grad_accs = _megatron_ddp(weights)  # noqa: F841 (kept alive)
+    storages = []
+    grad_accs = _megatron_ddp(weights, storages)  # noqa: F841 (kept alive)
     expected = [torch.zeros(w.shape, device=device) for w in weights]
     for seed in (1, 2):
+        storages.clear()
         x, grad_out = _inputs(in_features, out_features, seed, device)
         out_ref, grad_x_ref, grads_ref = _reference(x, grad_out, weights)
         x = x.requires_grad_()
@@ -96,6 +99,8 @@ def test_main_grads_accumulate_over_micro_batches(in_features, out_features, dev
         out.backward(grad_out)
         _close(out, out_ref)
         _close(x.grad, grad_x_ref)
+        # AccumulateGrad took the dummies as they are (views of one buffer), without a copy each
+        assert len(storages) == len(weights) and len(set(storages)) == 1
         for w, total, ref in zip(weights, expected, grads_ref, strict=True):
             total += ref
             assert w.grad is None and w.grad_added_to_main_grad

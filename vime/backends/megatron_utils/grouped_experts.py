@@ -63,8 +63,8 @@ class GroupedGemmExperts(SequentialMLP):
         hidden = permuted_local_hidden_states
         if not self._grouped(hidden):
             return super().forward(hidden, tokens_per_expert, permuted_probs)
-        # the counts are often on the host: sum them there, then one copy (no cumsum kernel)
-        ends = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(hidden.device)
+        # the dispatchers hand the counts over on the host: sum them there, then one copy without a stream sync
+        ends = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(hidden.device, non_blocking=True)
         fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # each [ffn (x2 gated), hidden]
         fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # each [hidden, ffn]
         intermediate = self._activate(grouped_linear(hidden, fc1, ends), permuted_probs)
