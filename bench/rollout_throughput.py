@@ -16,6 +16,9 @@ where ``LLM(...)`` and the API server default differently (:func:`offline_flags`
   ``bench/fixed_length.py``: groups, per-sample status and log-probs, rewards, the buffer) through the router;
   ``--sample-seeds`` (GPU only): also ``vime_sample_seeds``, with ``--rollout-sample-seeds``.
 
+``--api-server-count N``: the served engine runs N API-server processes (``--vllm-api-server-count``, vLLM's
+front-end scale-out), for ``direct`` and ``vime`` alike; recorded in the JSON and the result's name.
+
 One warm-up batch per side, then ``--repeats`` rounds (at least 5) of one timed batch per side, the order of the
 sides rotated from round to round (``bench/rounds.py``). Reported: each side's median, min and max tokens/s, and
 vime / offline and vime / direct as the median (min-max) of the per-round ratios. CPU (tiny model):
@@ -382,6 +385,12 @@ def parse_options() -> argparse.Namespace:
         help="start no round that would end later than this many seconds after launch (the JSON is rewritten "
         "after every round)",
     )
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API-server processes of the served engine (--vllm-api-server-count; default 1)",
+    )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     opts.started = time.monotonic()
@@ -391,11 +400,18 @@ def parse_options() -> argparse.Namespace:
             f"--repeats {opts.repeats}: fewer than {MIN_ROUNDS} rounds give no usable spread (ratios of medians "
             "over 1-3 batches read 0.83 and 1.11 in two runs of one workload); pass --allow-few-repeats to run anyway"
         )
+    if opts.api_server_count < 1:
+        parser.error(f"--api-server-count {opts.api_server_count}: the served engine needs at least one")
     if opts.sample_seeds and not on_gpu():
         parser.error(
             "--sample-seeds needs a GPU: vLLM's CPU engine dies on seeded requests (--rollout-sample-seeds)"
         )
     return opts
+
+
+def served_flags(opts) -> list[str]:
+    """vime flags for the served engine alone (the offline one has no API server)."""
+    return ["--vllm-api-server-count", str(opts.api_server_count)] if opts.api_server_count > 1 else []
 
 
 def ratios(rates: dict[str, list[float]]) -> dict[str, dict]:
@@ -410,6 +426,8 @@ def ratios(rates: dict[str, list[float]]) -> dict[str, dict]:
 def result(opts, args, rates: dict[str, list[float]], kv_tokens: dict) -> tuple[str, dict]:
     """The result's name and its JSON."""
     name, workload = workload_record(opts, "rollout")
+    if opts.api_server_count > 1:
+        name += f"_{opts.api_server_count}api"
     sides = {side: spread(runs) | {"runs": runs} for side, runs in rates.items() if runs}
     med = {side: figures["median"] for side, figures in sides.items()}
     summaries = ratios(rates)
@@ -425,6 +443,7 @@ def result(opts, args, rates: dict[str, list[float]], kv_tokens: dict) -> tuple[
         "workload": workload
         | {
             "rollout_concurrency": args.rollout_concurrency,
+            "api_server_count": opts.api_server_count,
             "log_probs": "sampled token (logprobs=0) on every side",
             "method": f"both engines resident; one warm-up batch per side, then {len(rates['vime'])} rounds (of "
             f"{opts.repeats} asked) of one batch per side, the order rotated each round; ratios per round",
@@ -455,7 +474,7 @@ def main() -> None:
     from bench.shapes import write_result
 
     opts = parse_options()
-    model_dir, args, prompt_ids = prepare_workload(opts)
+    model_dir, args, prompt_ids = prepare_workload(opts, served_flags(opts))
 
     def save(rates: dict[str, list[float]], kv_tokens: dict) -> None:
         name, record = result(opts, args, rates, kv_tokens)

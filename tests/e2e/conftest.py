@@ -186,6 +186,10 @@ def module_router_factory(tmp_path_factory, make_args) -> Iterator[Callable[...,
 # log-probs they gave when the pool started), the prefix cache dropped, generation resumed.
 
 POOL_SIZE = 2
+# The last pooled engine runs two API-server processes on its port (--vllm-api-server-count, through vLLM's serve),
+# so every pooled test also proves that requests, pause/resume, weight syncs (collective_rpc), prefix-cache resets and
+# /metrics work whichever front-end a connection lands on.
+POOL_API_SERVERS = 2
 # Room for slime's multi-turn and multi-agent examples (prompts of ~1,000 tokens): the engines serve the tiny model
 # with 2,048 positions (its rotary table is computed, so positions under 512 score exactly as the checkpoint's).
 POOL_CONTEXT = 2048
@@ -245,13 +249,14 @@ def without_vllm_flags(argv: list[str]) -> list[str]:
 def shared_engines(tiny_model_dir, tmp_path_factory, make_args) -> Iterator[EnginePool]:
     require_engines()
     log_dir = tmp_path_factory.mktemp("pool")
-    args = make_args(
-        tiny_model_dir, "--vllm-max-model-len", str(POOL_CONTEXT),
+    flags = (
+        "--vllm-max-model-len", str(POOL_CONTEXT),
         "--vllm-hf-overrides", json.dumps({"max_position_embeddings": POOL_CONTEXT}),
     )  # fmt: skip
+    front_ends = ("--vllm-api-server-count", str(POOL_API_SERVERS))
     engines = [
         VLLMEngine(
-            args,
+            make_args(tiny_model_dir, *flags, *(front_ends if i == POOL_SIZE - 1 else ())),
             log_path=log_dir / f"engine_{i}.log",
             # --enable-scale-out: vLLM's generate route, for runs with --flush-cache-interval
             extra_args=("--worker-extension-cls", WORKER_EXTENSION_CLS, "--enable-scale-out"),

