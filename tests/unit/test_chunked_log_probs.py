@@ -15,27 +15,35 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from vime.utils import fused_log_probs
 from vime.utils.chunked_log_probs import chunked_log_probs
 
 N, V, TRUE_V, T = 11, 24, 21, 0.7  # the last 3 columns are padding
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # test_fused_log_probs.py: the kernels on CPU
 
 
-def inputs(dtype=torch.float32):
+@pytest.fixture(autouse=True)
+def _several_kernel_blocks_per_row(monkeypatch):
+    if INTERPRETED:
+        monkeypatch.setattr(fused_log_probs, "BLOCK", 8)
+
+
+def inputs(dtype=torch.float32, true_v=TRUE_V):
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(N, V, generator=g)).to(dtype)
-    labels = torch.randint(0, TRUE_V, (N,), generator=g)
+    labels = torch.randint(0, true_v, (N,), generator=g)
     weights = torch.randn(N, generator=g), torch.randn(N, generator=g)
     return logits, labels, weights
 
 
-def reference(logits, labels, weights, temperature=T):
-    z = logits.detach().double()[:, :TRUE_V].requires_grad_()
+def reference(logits, labels, weights, temperature=T, true_v=TRUE_V):
+    z = logits.detach().double()[:, :true_v].requires_grad_()
     log_p = torch.log_softmax(z / temperature, dim=-1)
     log_probs = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
     (weights[0].double() @ log_probs + weights[1].double() @ entropy).backward()
     grad = torch.zeros(N, V, dtype=torch.float64)
-    grad[:, :TRUE_V] = z.grad
+    grad[:, :true_v] = z.grad
     return log_probs, entropy, grad
 
 
@@ -118,10 +126,12 @@ class _LiveBytes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_at_most_two_fp32_chunks_are_alive(with_entropy):
+def test_at_most_two_fp32_chunks_are_alive(with_entropy, monkeypatch):
     """The GPU test's bound (logits + 1 GiB at 8k x 151,936, chunks of 512) in units of one fp32 chunk: each chunk's
     temporaries are freed before the next chunk's are made (in a loop body they lived on into the next chunk: 3 fp32
     chunks in the forward, 4.25 in the backward with the entropy, measured on an H200 and here)."""
+    if INTERPRETED:  # one kernel block per row: Triton's interpreter takes minutes for 512 blocks of 8 per row
+        monkeypatch.setattr(fused_log_probs, "BLOCK", 4096)
     tokens, vocab, chunk = 256, 4096, 32
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(tokens, vocab, generator=g)).bfloat16().requires_grad_()
@@ -139,14 +149,16 @@ def test_at_most_two_fp32_chunks_are_alive(with_entropy):
     assert mode.peak - logits.numel() * logits.element_size() <= bound  # beyond the logits' gradient
 
 
-def _tensor_parallel_rank(rank: int, path: str, queue) -> None:
+def _tensor_parallel_rank(rank: int, path: str, queue, true_v: int) -> None:
+    if INTERPRETED:
+        fused_log_probs.BLOCK = 8
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
-    logits, labels, weights = inputs()
+    logits, labels, weights = inputs(true_v=true_v)
     part = V // 2
     x = logits[:, rank * part : (rank + 1) * part].clone().requires_grad_()
     log_probs, entropy = chunked_log_probs(
         x, labels, T, with_entropy=True, entropy_requires_grad=True, chunk_size=4,
-        vocab_start=rank * part, true_vocab_size=TRUE_V, group=dist.group.WORLD,
+        vocab_start=rank * part, true_vocab_size=true_v, group=dist.group.WORLD,
     )  # fmt: skip
     (weights[0] @ log_probs + weights[1] @ entropy).backward()
     # numpy arrays travel by value: a tensor would go through shared memory that its sender must outlive (a rank that
@@ -155,12 +167,16 @@ def _tensor_parallel_rank(rank: int, path: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def test_tensor_parallel_slices_match_the_whole_vocabulary(tmp_path):
-    want_lp, want_h, want_grad = reference(*inputs())
+@pytest.mark.parametrize("true_v", [TRUE_V, V // 2])  # V // 2: the second rank's columns are all padding
+def test_tensor_parallel_slices_match_the_whole_vocabulary(tmp_path, true_v):
+    want_lp, want_h, want_grad = reference(*inputs(true_v=true_v), true_v=true_v)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [ctx.Process(target=_tensor_parallel_rank, args=(r, str(tmp_path / "pg"), queue)) for r in (0, 1)]
+    procs = [
+        ctx.Process(target=_tensor_parallel_rank, args=(r, str(tmp_path / "pg"), queue, true_v))
+        for r in (0, 1)
+    ]
     for p in procs:
         p.start()
     results = {r: [torch.from_numpy(a) for a in rest] for r, *rest in (queue.get(timeout=120) for _ in procs)}

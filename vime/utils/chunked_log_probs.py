@@ -10,12 +10,20 @@ recomputes the softmax one chunk at a time and writes the logits' gradient in th
 With a tensor-parallel ``group`` the softmax statistics are all-reduced in the forward; the backward needs no
 collective (every rank holds the same per-row statistics and upstream gradients, and writes its own slice's), which is
 Megatron's convention for vocabulary-parallel losses.
+
+On GPU the forward and the backward are each one Triton kernel over all rows (:mod:`vime.utils.fused_log_probs`,
+which reads the logits once and keeps no fp32 temporary, so ``chunk_size`` does not apply there); elsewhere, the torch
+chunks below.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
+
+from vime.utils import fused_log_probs
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -37,9 +45,14 @@ class _Columns:
         part = logits.shape[-1]
         columns = torch.arange(vocab_start, vocab_start + part, device=logits.device)
         self.valid = columns < true_vocab_size if true_vocab_size < vocab_start + part else None
+        self.valid_count = max(0, min(part, true_vocab_size - vocab_start))
         local = labels - vocab_start
         self.in_slice = (local >= 0) & (local < part)
         self.index = local.clamp(0, part - 1).unsqueeze(-1)
+
+    def local_labels(self) -> torch.Tensor:
+        """Each label's column in this slice, -1 where it is another rank's."""
+        return torch.where(self.in_slice, self.index.squeeze(-1), -1).contiguous()
 
     def scaled(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """A fresh fp32 ``logits / T`` (padding columns -inf), which the caller may overwrite."""
@@ -83,21 +96,53 @@ def _backward_chunk(
     return d if temperature == 1.0 else d.div_(temperature)
 
 
+def _chunked_forward(logits, cols: _Columns, temperature: float, group, with_entropy: bool, chunk_size: int):
+    """``log_norm``, log-probs and entropy, ``chunk_size`` rows at a time (the torch path)."""
+    log_norm = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    log_probs, entropy = torch.empty_like(log_norm), torch.empty_like(log_norm)
+    for rows in _slices(logits.shape[0], chunk_size):
+        top, stats = _forward_chunk(logits[rows], cols, rows, temperature, group, with_entropy)
+        log_sum = stats[0].log()
+        log_norm[rows] = top + log_sum
+        log_probs[rows] = stats[1] - log_sum
+        if with_entropy:
+            entropy[rows] = log_sum - stats[2] / stats[0]
+    return log_norm, log_probs, entropy
+
+
+def _fused_forward(logits, cols: _Columns, temperature: float, group, with_entropy: bool):
+    """``log_norm``, log-probs and entropy from the kernel's per-row ``[max, sum exp, sum exp * shifted, picked]``
+    of this rank's columns, merged over the tensor-parallel ranks around the largest maximum."""
+    top, sum_exp, sum_exp_shifted, picked = fused_log_probs.row_stats(
+        logits, cols.local_labels(), cols.valid_count, temperature, with_entropy
+    )
+    if group is not None:
+        local_top = top.clone()
+        _all_reduce(top, dist.ReduceOp.MAX, group)
+        weight = (local_top - top).exp()
+        # sum exp(z - top) * (z - top) = weight * (t + (local_top - top) * s); 0 where a rank has only padding
+        sum_exp_shifted = weight * (sum_exp_shifted + (local_top - top) * sum_exp)
+        stats = _all_reduce(
+            torch.stack([sum_exp * weight, sum_exp_shifted, picked]), dist.ReduceOp.SUM, group
+        )
+        sum_exp, sum_exp_shifted, picked = stats
+    log_sum = sum_exp.log()
+    log_norm = top + log_sum
+    return log_norm, picked - log_norm, log_sum - sum_exp_shifted / sum_exp
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, logits, labels, temperature, chunk_size, vocab_start, true_vocab_size, group, with_entropy
     ):
         cols = _Columns(logits, labels, vocab_start, true_vocab_size)
-        log_norm = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        log_probs, entropy = torch.empty_like(log_norm), torch.empty_like(log_norm)
-        for rows in _slices(logits.shape[0], chunk_size):
-            top, stats = _forward_chunk(logits[rows], cols, rows, temperature, group, with_entropy)
-            log_sum = stats[0].log()
-            log_norm[rows] = top + log_sum
-            log_probs[rows] = stats[1] - log_sum
-            if with_entropy:
-                entropy[rows] = log_sum - stats[2] / stats[0]
+        forward = (
+            _fused_forward
+            if fused_log_probs.usable(logits)
+            else partial(_chunked_forward, chunk_size=chunk_size)
+        )
+        log_norm, log_probs, entropy = forward(logits, cols, temperature, group, with_entropy)
         ctx.save_for_backward(logits, labels, log_norm, entropy if with_entropy else None)
         ctx.settings = (temperature, chunk_size, vocab_start, true_vocab_size)
         ctx.set_materialize_grads(False)
@@ -108,6 +153,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logits, labels, log_norm, entropy = ctx.saved_tensors
         temperature, chunk_size, vocab_start, true_vocab_size = ctx.settings
         cols = _Columns(logits, labels, vocab_start, true_vocab_size)
+        if fused_log_probs.usable(logits):
+            grad = fused_log_probs.logits_grad(
+                logits, cols.local_labels(), cols.valid_count, temperature, log_norm, entropy, grad_log_probs,
+                grad_entropy,
+            )  # fmt: skip
+            return grad, None, None, None, None, None, None, None
         grad = torch.empty_like(logits)
         for rows in _slices(logits.shape[0], chunk_size):
             grad[rows] = _backward_chunk(
