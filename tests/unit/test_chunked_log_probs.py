@@ -130,7 +130,8 @@ def test_at_most_two_fp32_chunks_are_alive(with_entropy, monkeypatch):
     """The GPU test's bound (logits + 1 GiB at 8k x 151,936, chunks of 512) in units of one fp32 chunk: each chunk's
     temporaries are freed before the next chunk's are made (in a loop body they lived on into the next chunk: 3 fp32
     chunks in the forward, 4.25 in the backward with the entropy, measured on an H200 and here)."""
-    if INTERPRETED:  # one kernel block per row: Triton's interpreter takes minutes for 512 blocks of 8 per row
+    # one kernel block per row: Triton's interpreter takes minutes over 512 blocks of 8 per row
+    if INTERPRETED:
         monkeypatch.setattr(fused_log_probs, "BLOCK", 4096)
     tokens, vocab, chunk = 256, 4096, 32
     g = torch.Generator().manual_seed(0)
