@@ -482,7 +482,7 @@ def main() -> None:
 
     rates, kv_tokens = measure(opts, args, model_dir, prompt_ids, save)
     if not rates["vime"]:
-        sys.exit("no round ended within --time-limit-s: no result")
+        sys.exit("[bench] error: no round ended within --time-limit-s, no result")
 
 
 if __name__ == "__main__":  # vLLM's offline engine spawns processes
