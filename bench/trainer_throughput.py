@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
@@ -77,7 +78,31 @@ def profile_report(prof, wall_s: float, rows: int = 40) -> str:
         f"profiled step: wall {wall_s:.3f} s, kernels {busy_s:.3f} s ({busy_s / wall_s:.0%} busy), {len(kernels):,} launches",
         averages.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70),
         averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70),
+        host_syncs(prof),
     ])  # fmt: skip
+
+
+def host_syncs(prof, rows: int = 15) -> str:
+    """Where the host waits for the GPU (``cudaStreamSynchronize``: a ``.item()``, ``.tolist()`` or a copy to the
+    CPU), by the Python call site of the op that waited: each wait drains the GPU's queue, which then idles while
+    the host launches again."""
+    sites: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.name != "cudaStreamSynchronize":
+            continue
+        op = event
+        while op.cpu_parent is not None and not op.stack:
+            op = op.cpu_parent
+        site = sites[(op.name, *op.stack[:6])]
+        site[0] += 1
+        site[1] += event.time_range.elapsed_us() / 1e6
+    lines = [
+        f"host syncs: {sum(n for n, _ in sites.values()):,} in the step, by call site (count, host time waiting)"
+    ]
+    for (name, *stack), (count, seconds) in sorted(sites.items(), key=lambda item: -item[1][0])[:rows]:
+        lines.append(f"{count:>7,} {seconds:8.3f} s  {name}")
+        lines.extend(f"          {frame}" for frame in stack)
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -100,7 +125,7 @@ def main() -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="profile the last step (GPU busy share, ops by GPU and by host time; in $OUT)",
+        help="profile one more step after the timed ones (GPU busy share, ops by GPU and by host time, host syncs by call site; in $OUT)",
     )
     p.add_argument(
         "--torch-threads",
@@ -161,12 +186,13 @@ def main() -> None:
 
     timings = []
     prof_text = None
-    for step in range(opts.steps + 1):
-        profiling = opts.profile and step == opts.steps
+    for step in range(opts.steps + 1 + opts.profile):
+        profiling = opts.profile and step == opts.steps + 1  # an extra step, not timed: the profiler slows it
         prof = None
         if profiling:
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            prof = torch.profiler.profile(activities=activities)
+            stacks = torch._C._profiler._ExperimentalConfig(verbose=True)  # Python stacks on the ops' events
+            prof = torch.profiler.profile(activities=activities, with_stack=True, experimental_config=stacks)
             prof.__enter__()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -179,9 +205,11 @@ def main() -> None:
         if prof is not None:
             prof.__exit__(None, None, None)
             prof_text = profile_report(prof, t2 - t0)
-        timings.append((t1 - t0, t2 - t1))
+        if not profiling:
+            timings.append((t1 - t0, t2 - t1))
         if rank == 0:
-            print(f"[bench] step {step}: log-probs {t1 - t0:.2f} s, train {t2 - t1:.2f} s", flush=True)
+            what = "profiled step" if profiling else "step"
+            print(f"[bench] {what} {step}: log-probs {t1 - t0:.2f} s, train {t2 - t1:.2f} s", flush=True)
     measured = timings[1:] if len(timings) > 1 else timings
     log_prob_s = statistics.median(t for t, _ in measured)
     train_s = statistics.median(t for _, t in measured)
