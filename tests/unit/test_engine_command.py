@@ -541,7 +541,10 @@ def test_serve_runs_vllms_serve_subcommand_with_the_engine_core_forked_on_cpu(mo
     ran = []
     monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(vllms_adjustment))
     monkeypatch.setattr(ServeSubcommand, "cmd", staticmethod(ran.append))
-    monkeypatch.delenv(cpu_server.METHOD_ENV, raising=False)
+    # set, then deleted: monkeypatch restores the variable's absence after serve.main and vLLM's CLI set-up set it (a
+    # method left in this process's environment made every engine a later test here started spawn its core)
+    monkeypatch.setenv(cpu_server.METHOD_ENV, "unset-by-the-test")
+    monkeypatch.delenv(cpu_server.METHOD_ENV)
     serve.main(["--model", "/m", "--api-server-count", "2", "--middleware", "x.y"])
     assert [(run.model, run.api_server_count, run.middleware) for run in ran] == [("/m", 2, ["x.y"])]
     CpuPlatform.check_and_update_config(None)  # as the serving process does, after vLLM's CLI set-up
