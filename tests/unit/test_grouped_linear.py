@@ -50,11 +50,9 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected, atol=0.1, rtol=0.02)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("in_features,out_features", [(16, 8), (8, 16)])
-def test_plain_weights_get_the_loops_gradients(in_features, out_features, device):
-    weights = _weights(out_features, in_features, device)
-    x, grad_out = _inputs(in_features, out_features, 1, device)
+def _forward_backward_as_the_loop(x, grad_out, weights, device) -> list[torch.Tensor]:
+    """Run ``grouped_linear`` forward and backward (the allocator poisoned first), check its output and input
+    gradient against the per-expert loop's, and return the loop's weight gradients."""
     out_ref, grad_x_ref, grads_ref = _reference(x, grad_out, weights)
     x = x.requires_grad_()
     _poison_allocator(device)
@@ -62,6 +60,15 @@ def test_plain_weights_get_the_loops_gradients(in_features, out_features, device
     out.backward(grad_out)
     _close(out, out_ref)
     _close(x.grad, grad_x_ref)
+    return grads_ref
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_features,out_features", [(16, 8), (8, 16)])
+def test_plain_weights_get_the_loops_gradients(in_features, out_features, device):
+    weights = _weights(out_features, in_features, device)
+    x, grad_out = _inputs(in_features, out_features, 1, device)
+    grads_ref = _forward_backward_as_the_loop(x, grad_out, weights, device)
     for w, ref in zip(weights, grads_ref, strict=True):
         assert w.grad.dtype == w.dtype and w.grad.shape == w.shape
         _close(w.grad, ref)
@@ -102,13 +109,7 @@ def test_main_grads_accumulate_over_micro_batches(in_features, out_features, dev
     for seed in (1, 2):
         storages.clear()
         x, grad_out = _inputs(in_features, out_features, seed, device)
-        out_ref, grad_x_ref, grads_ref = _reference(x, grad_out, weights)
-        x = x.requires_grad_()
-        _poison_allocator(device)
-        out = grouped_linear(x, weights, _offs(device))
-        out.backward(grad_out)
-        _close(out, out_ref)
-        _close(x.grad, grad_x_ref)
+        grads_ref = _forward_backward_as_the_loop(x, grad_out, weights, device)
         # AccumulateGrad took the dummies as they are (views of one buffer), without a copy each
         assert len(storages) == len(weights) and len(set(storages)) == 1
         for w, total, ref in zip(weights, expected, grads_ref, strict=True):
