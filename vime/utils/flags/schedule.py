@@ -59,7 +59,8 @@ SCHEDULE = [
             type=int,
             default=-1,
             help="Compute log-softmax and entropy over this many tokens at a time (-1: all at once); saves the "
-            "memory of full [tokens, vocab] fp32 temporaries.",
+            "memory of full [tokens, vocab] fp32 temporaries. On CUDA (with Triton) one kernel reads the logits "
+            "once and makes no such temporary, so the setting applies to CPU runs only.",
         ),
     ),
     (
