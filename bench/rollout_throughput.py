@@ -48,10 +48,6 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH
 
 from bench.rounds import MIN_ROUNDS, ratio_summary, run_rounds, spread, verdict  # noqa: E402
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny model's batch needs far less
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may have touched CUDA
-
 SIDES = ["offline", "direct", "direct_via_router", "vime"]
 # Per-round ratios reported, as numerator and denominator sides.
 RATIOS = {
@@ -473,6 +469,10 @@ def result(opts, args, rates: dict[str, list[float]], kv_tokens: dict) -> tuple[
 def main() -> None:
     from bench.shapes import write_result
 
+    # set when run, not on import (a test importing this module would hand them to every engine its process starts)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny batch needs far less
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may have touched CUDA
     opts = parse_options()
     model_dir, args, prompt_ids = prepare_workload(opts, served_flags(opts))
 

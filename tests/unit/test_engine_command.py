@@ -462,22 +462,40 @@ def test_control_client_requests_and_errors():
     ]
 
 
-def test_cpu_server_puts_fork_back_after_vllms_cpu_platform_chose_spawn(monkeypatch):
+def _vllms_adjustment(cls, vllm_config) -> None:
+    """What vLLM's CPU platform does to the multiprocessing method."""
+    from vime.backends.vllm_utils import cpu_server
+
+    os.environ[cpu_server.METHOD_ENV] = "spawn"
+
+
+@pytest.fixture
+def cpu_platform_choosing_spawn(monkeypatch):
+    """vLLM's CPU platform as far as the method goes, and no method in the environment, before the test and after
+    it whatever the test sets (set, then deleted: ``monkeypatch.delenv`` of an absent variable restores nothing, and a
+    method left in this process's environment made every CPU engine a later test here started spawn its core)."""
     from vllm.platforms.cpu import CpuPlatform
 
     from vime.backends.vllm_utils import cpu_server
 
-    def vllms_adjustment(cls, vllm_config) -> None:  # what vLLM's CPU platform does to the method
-        os.environ[cpu_server.METHOD_ENV] = "spawn"
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(_vllms_adjustment))
+    monkeypatch.setenv(cpu_server.METHOD_ENV, "unset-by-the-test")
+    monkeypatch.delenv(cpu_server.METHOD_ENV)
+    return CpuPlatform
 
-    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(vllms_adjustment))
-    monkeypatch.delenv(cpu_server.METHOD_ENV, raising=False)
+
+def test_cpu_server_puts_fork_back_after_vllms_cpu_platform_chose_spawn(
+    cpu_platform_choosing_spawn, monkeypatch
+):
+    from vime.backends.vllm_utils import cpu_server
+
+    CpuPlatform = cpu_platform_choosing_spawn
     cpu_server.keep_fork()
     CpuPlatform.check_and_update_config(None)
     assert os.environ[cpu_server.METHOD_ENV] == "fork"
 
     # a method the user chose stays
-    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(vllms_adjustment))
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(_vllms_adjustment))
     monkeypatch.setenv(cpu_server.METHOD_ENV, "forkserver")
     cpu_server.keep_fork()
     CpuPlatform.check_and_update_config(None)
@@ -529,22 +547,16 @@ def test_a_config_groups_api_server_count_wins(monkeypatch):
     assert cmd[2] == "vllm.entrypoints.openai.api_server"
 
 
-def test_serve_runs_vllms_serve_subcommand_with_the_engine_core_forked_on_cpu(monkeypatch):
+def test_serve_runs_vllms_serve_subcommand_with_the_engine_core_forked_on_cpu(
+    cpu_platform_choosing_spawn, monkeypatch
+):
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.platforms.cpu import CpuPlatform
 
     from vime.backends.vllm_utils import cpu_server, serve
 
-    def vllms_adjustment(cls, vllm_config) -> None:  # what vLLM's CPU platform does to the method
-        os.environ[cpu_server.METHOD_ENV] = "spawn"
-
+    CpuPlatform = cpu_platform_choosing_spawn
     ran = []
-    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(vllms_adjustment))
     monkeypatch.setattr(ServeSubcommand, "cmd", staticmethod(ran.append))
-    # set, then deleted: monkeypatch restores the variable's absence after serve.main and vLLM's CLI set-up set it (a
-    # method left in this process's environment made every engine a later test here started spawn its core)
-    monkeypatch.setenv(cpu_server.METHOD_ENV, "unset-by-the-test")
-    monkeypatch.delenv(cpu_server.METHOD_ENV)
     serve.main(["--model", "/m", "--api-server-count", "2", "--middleware", "x.y"])
     assert [(run.model, run.api_server_count, run.middleware) for run in ran] == [("/m", 2, ["x.y"])]
     CpuPlatform.check_and_update_config(None)  # as the serving process does, after vLLM's CLI set-up

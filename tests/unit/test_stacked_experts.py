@@ -5,6 +5,8 @@ CPU with TP/EP ranks set by hand), which must equal vLLM's own per-expert loadin
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -152,7 +154,11 @@ def routed_experts(
     from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    with set_current_vllm_config(VllmConfig()):
+    saved = dict(os.environ)  # VllmConfig() sets vLLM's variables (its platform's config hook): put them back
+    config = VllmConfig()
+    os.environ.clear()
+    os.environ.update(saved)
+    with set_current_vllm_config(config):
         parallel = FusedMoEParallelConfig(
             tp_size=tp_size, pcp_size=1, dp_size=1, ep_size=ep_size, tp_rank=tp_rank, pcp_rank=0, dp_rank=0,
             ep_rank=ep_rank, sp_size=1, use_ep=ep_size > 1, all2all_backend="naive", enable_eplb=False,
