@@ -18,8 +18,6 @@ chunks below.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 
@@ -137,12 +135,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx, logits, labels, temperature, chunk_size, vocab_start, true_vocab_size, group, with_entropy
     ):
         cols = _Columns(logits, labels, vocab_start, true_vocab_size)
-        forward = (
-            _fused_forward
-            if fused_log_probs.usable(logits)
-            else partial(_chunked_forward, chunk_size=chunk_size)
-        )
-        log_norm, log_probs, entropy = forward(logits, cols, temperature, group, with_entropy)
+        if fused_log_probs.usable(logits):
+            log_norm, log_probs, entropy = _fused_forward(logits, cols, temperature, group, with_entropy)
+        else:
+            log_norm, log_probs, entropy = _chunked_forward(
+                logits, cols, temperature, group, with_entropy, chunk_size
+            )
         ctx.save_for_backward(logits, labels, log_norm, entropy if with_entropy else None)
         ctx.settings = (temperature, chunk_size, vocab_start, true_vocab_size)
         ctx.set_materialize_grads(False)
@@ -158,12 +156,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 logits, cols.local_labels(), cols.valid_count, temperature, log_norm, entropy, grad_log_probs,
                 grad_entropy,
             )  # fmt: skip
-            return grad, None, None, None, None, None, None, None
-        grad = torch.empty_like(logits)
-        for rows in _slices(logits.shape[0], chunk_size):
-            grad[rows] = _backward_chunk(
-                logits[rows], cols, rows, temperature, log_norm, entropy, grad_log_probs, grad_entropy
-            )
+        else:
+            grad = torch.empty_like(logits)
+            for rows in _slices(logits.shape[0], chunk_size):
+                grad[rows] = _backward_chunk(
+                    logits[rows], cols, rows, temperature, log_norm, entropy, grad_log_probs, grad_entropy
+                )
         return grad, None, None, None, None, None, None, None
 
 
