@@ -4,6 +4,7 @@ pytest test launches this file under ``torchrun``; the ``__main__`` part is the 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import subprocess
@@ -130,7 +131,13 @@ def _worker(root: Path) -> None:
             trained = {n: t.cpu() for b in trainer.iter_weight_buckets(1 << 20) for n, t in b}
         results[(kind, name)] = (log_probs, exported, trained)
         del trainer
+        gc.collect()  # Megatron's DDP hooks hold the trainer in reference cycles: free it before the next case
         torch.cuda.empty_cache()
+        # a full run once ran out of device memory in a late case (2026-11-28): show what each case leaves behind
+        if rank == 0:
+            free, total = torch.cuda.mem_get_info()
+            print(f"[{kind} {name}] left {torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved by torch, "
+                  f"{(total - free) / 2**30:.2f} GiB used on the device", flush=True)  # fmt: skip
     failures = []
     for kind, name, _ in cases:
         if name == "tp1":
