@@ -4,7 +4,9 @@
 - ``colocate``: two trainer ranks and two engines sharing both GPUs, engines asleep while the trainer trains,
   CUDA IPC weight sync (``tensor``);
 - ``offload``: one GPU shared by the trainer and the engine, the trainer's state off the GPU while the engine
-  generates (``--offload-train``).
+  generates (``--offload-train``);
+- ``colocate-4api``: ``colocate`` with four API servers per engine (``--vllm-api-server-count 4``: requests, sleep,
+  wake and the CUDA IPC syncs reach the engine core through whichever front-end takes them).
 
 Needs the GPU kit (vllm, ray, vllm-router, megatron-core; see tests/gpu/README.md), and 2 GPUs except ``offload``."""
 
@@ -41,7 +43,13 @@ def _log_tails(tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    "layout", [pytest.param("split", marks=TWO_GPUS), pytest.param("colocate", marks=TWO_GPUS), "offload"]
+    "layout",
+    [
+        pytest.param("split", marks=TWO_GPUS),
+        pytest.param("colocate", marks=TWO_GPUS),
+        "offload",
+        pytest.param("colocate-4api", marks=TWO_GPUS),
+    ],
 )
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_grpo_loop_learns_with_matching_log_probs(backend, layout, tmp_path):
@@ -59,8 +67,10 @@ def test_grpo_loop_learns_with_matching_log_probs(backend, layout, tmp_path):
         "--log-dir", str(tmp_path / "logs"), "--vllm-enforce-eager", "--vllm-dtype", "float32",
         "--vllm-max-model-len", "64", "--vllm-gpu-memory-utilization", "0.3",
     ]  # fmt: skip
-    if layout == "colocate":  # both GPUs hold a trainer rank and an engine; default transport: tensor
+    if layout.startswith("colocate"):  # both GPUs hold a trainer rank and an engine (transport: tensor)
         argv += ["--colocate", "--actor-num-gpus-per-node", "2"]
+        if layout == "colocate-4api":
+            argv += ["--vllm-api-server-count", "4"]
     elif layout == "offload":  # one GPU; the engine may take most of it while the trainer is offloaded
         argv += ["--colocate", "--offload-train"]
         argv[argv.index("--vllm-gpu-memory-utilization") + 1] = "0.8"
