@@ -113,11 +113,14 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def main() -> None:
+def parse_options(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, str]]:
+    """The benchmark's options and its ``--env`` entries; refuses a run mixing ``tensor`` with ``distributed``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="4b")
     p.add_argument("--backend", choices=["megatron", "fsdp"], default="megatron")
-    p.add_argument("--transports", nargs="+", default=["tensor", "disk"])
+    p.add_argument(
+        "--transports", nargs="+", choices=["tensor", "distributed", "disk"], default=["tensor", "disk"]
+    )
     p.add_argument(
         "--buffer-size-mb",
         type=int,
@@ -149,8 +152,19 @@ def main() -> None:
     p.add_argument(
         "--no-check-weight-update-equal", dest="check", action="store_false", help="no weights check"
     )
-    opts = p.parse_args()
-    env = env_entries(p, "--env", opts.env)
+    opts = p.parse_args(argv)
+    if {"tensor", "distributed"} <= set(opts.transports):
+        # distributed puts the engine on the second GPU; CUDA IPC (tensor) only reaches an engine on the trainer's
+        # GPU, as train.py's --colocate places it (a 2 x H100 run with both once lost its engine at the tensor case)
+        p.error(
+            "--transports tensor and distributed need different engine placements (the trainer's GPU, the second "
+            "GPU): run them in two invocations, e.g. --transports tensor disk, then --transports distributed"
+        )
+    return opts, env_entries(p, "--env", opts.env)
+
+
+def main() -> None:
+    opts, env = parse_options()
     os.environ.update(env)
 
     from vime.backends.vllm_utils.engine import VLLMEngine
