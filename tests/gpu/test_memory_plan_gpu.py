@@ -1,6 +1,7 @@
 """The micro-batch memory plan on a real GPU (FSDP2 and Megatron, bf16, Adam): its prediction matches the peak a
-real training step reaches, and a plan that cannot fit fails when the trainer is built, before any step, naming
-the flag and the size that would fit."""
+real training step reaches, where the activations set it and where the optimizer step's temporaries do (small
+micro-batches), and a plan that cannot fit fails when the trainer is built, before any step, naming the flag and
+the size that would fit."""
 
 from __future__ import annotations
 
@@ -38,34 +39,42 @@ def _trainer_class(backend):
     return FSDPTrainer
 
 
+@pytest.mark.parametrize("max_tokens", [8192, 512])  # the activations set the peak; the optimizer step does
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_memory_plan_predicts_the_step_peak_and_refuses_what_cannot_fit(backend, tmp_path):
+def test_memory_plan_predicts_the_step_peak_and_refuses_what_cannot_fit(backend, max_tokens, tmp_path):
     from vime.tools.make_tiny_model import build_tiny_model
     from vime.utils.types import Sample, Status
 
     Trainer = _trainer_class(backend)
     model_dir = build_tiny_model(tmp_path / "model", seed=0, task=None, num_layers=4, hidden_size=1024,
                                  intermediate_size=4096, max_position_embeddings=4096)  # fmt: skip
-    trainer = Trainer(_args(backend, model_dir, 8192))
+    trainer = Trainer(_args(backend, model_dir, max_tokens))
     plan = trainer.memory_plan
-    assert plan is not None and plan.fits and plan.tokens == 8192
+    assert plan is not None and plan.fits and plan.tokens == max_tokens
+    step_bound = plan.optimizer_step_bytes > plan.activation_bytes
+    assert step_bound == (max_tokens == 512), plan.summary()
     g = torch.Generator().manual_seed(0)
-    samples = [  # 16 samples of 1024 tokens: two micro-batches of exactly the 8192-token budget (the second one
-        # runs with the first one's gradients resident)
-        Sample(index=i, tokens=torch.randint(4, 61, (1024,), generator=g).tolist(), response_length=1023,
+    length = min(1024, max_tokens)
+    samples = [  # two micro-batches of exactly the token budget (the second one runs with the first one's
+        # gradients resident)
+        Sample(index=i, tokens=torch.randint(4, 61, (length,), generator=g).tolist(), response_length=length - 1,
                reward=float(i % 2), status=Status.COMPLETED)
-        for i in range(16)
+        for i in range(2 * max_tokens // length)
     ]  # fmt: skip
-    trainer.train(0, samples, [1.0, -1.0] * 8)  # creates the optimizer state the plan accounts for
+    advantages = [1.0, -1.0] * (len(samples) // 2)
+    trainer.train(0, samples, advantages)  # creates the optimizer state the plan accounts for
     torch.cuda.reset_peak_memory_stats()
-    trainer.train(1, samples, [1.0, -1.0] * 8)
+    trainer.train(1, samples, advantages)
     measured = torch.cuda.max_memory_allocated()
     print(
-        f"{backend}: predicted {plan.predicted_peak_bytes / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB"
+        f"{backend}, {max_tokens} tokens: predicted {plan.predicted_peak_bytes / 2**30:.2f} GiB, measured "
+        f"{measured / 2**30:.2f} GiB ({plan.summary()})"
     )
     assert abs(plan.predicted_peak_bytes - measured) < 0.15 * measured
     del trainer
     torch.cuda.empty_cache()
+    if max_tokens != 8192:
+        return
 
     too_big = 64 * plan.max_fitting_tokens
     with pytest.raises(MemoryError, match=r"--max-tokens-per-gpu \d+ or lower") as refused:

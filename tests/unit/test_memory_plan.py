@@ -1,4 +1,5 @@
-"""The micro-batch memory plan: the line through two probe peaks, the optimizer state still to come, the fix."""
+"""The micro-batch memory plan: the line through two probe peaks, the optimizer state still to come, the optimizer
+step's temporaries, the fix."""
 
 import argparse
 
@@ -8,6 +9,7 @@ import torch
 from vime.utils.memory_plan import (
     GIB,
     MemoryProbe,
+    optimizer_step_bytes,
     plan_memory,
     planned_micro_batch_tokens,
     unallocated_optimizer_state_bytes,
@@ -31,6 +33,37 @@ def test_plan_that_does_not_fit_says_how_many_tokens_would():
     assert plan.predicted_peak_bytes == 24 * GIB and not plan.fits
     assert plan.max_fitting_tokens == 6000
     assert "8000 tokens" in plan.summary() and "6000 tokens fit" in plan.summary()
+
+
+def test_the_optimizer_step_sets_the_peak_when_its_temporaries_outweigh_the_activations():
+    # activations 1 GiB at 4000 tokens (8 GiB resident, 3 GiB of moments to come); the step copies 2 GiB
+    small, large = MemoryProbe(1000, 8 * GIB + GIB // 4), MemoryProbe(2000, 8 * GIB + GIB // 2)
+    plan = plan_memory(small, large, 4000, 8 * GIB, 3 * GIB, 20 * GIB, optimizer_step_bytes=2 * GIB)
+    assert plan.activation_bytes == GIB and plan.optimizer_step_bytes == 2 * GIB
+    assert plan.predicted_peak_bytes == 13 * GIB and plan.fits and plan.step_fits
+    assert "optimizer step's temporaries 2.0 GiB" in plan.summary()
+    half = plan_memory(small, large, 4000, 8 * GIB, 3 * GIB, 20 * GIB, GIB // 2)
+    assert half.predicted_peak_bytes == 12 * GIB  # a half-GiB step: the activations set the peak again
+
+
+def test_a_step_that_cannot_fit_leaves_no_micro_batch_size_that_would():
+    small, large = MemoryProbe(1000, 8 * GIB + GIB // 4), MemoryProbe(2000, 8 * GIB + GIB // 2)
+    plan = plan_memory(small, large, 4000, 8 * GIB, 3 * GIB, 12 * GIB, optimizer_step_bytes=2 * GIB)
+    assert not plan.fits and not plan.step_fits
+    assert plan.max_fitting_tokens == 0
+
+
+def test_optimizer_step_bytes_counts_the_multi_tensor_copies():
+    a, b = torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(6, dtype=torch.float64))
+    size = 10 * 4 + 6 * 8
+    assert optimizer_step_bytes([torch.optim.AdamW([a, b], foreach=True)]) == size  # sqrt of the 2nd moments
+    assert optimizer_step_bytes([torch.optim.Adam([a, b], foreach=True)]) == size
+    assert optimizer_step_bytes([torch.optim.AdamW([a, b], foreach=False)]) == 0  # one tensor at a time
+    assert optimizer_step_bytes([torch.optim.AdamW([a], fused=True)]) == 0
+    assert optimizer_step_bytes([torch.optim.AdamW([a, b])]) == 0  # CPU: torch's default is one at a time
+    assert optimizer_step_bytes([torch.optim.SGD([a, b], lr=0.1, weight_decay=0.1, foreach=True)]) == size
+    assert optimizer_step_bytes([torch.optim.SGD([a, b], lr=0.1, foreach=True)]) == 0
+    assert optimizer_step_bytes([torch.optim.AdamW([a, b], foreach=True)], "cuda") == 0  # none on the GPU
 
 
 def test_plan_needs_two_probe_sizes():

@@ -10,6 +10,7 @@ from vime.utils.memory_plan import (
     GIB,
     MemoryPlan,
     MemoryProbe,
+    optimizer_step_bytes,
     plan_memory,
     planned_micro_batch_tokens,
     unallocated_optimizer_state_bytes,
@@ -57,8 +58,11 @@ def check_memory_plan(trainer) -> MemoryPlan | None:
             ) from e
         probes.append(MemoryProbe(size, torch.cuda.max_memory_allocated()))
     torch.cuda.empty_cache()
-    missing = unallocated_optimizer_state_bytes(torch_optimizers(trainer.optimizer), "cuda")
-    plan = plan_memory(*probes, tokens, resident, missing, available)
+    optimizers = torch_optimizers(trainer.optimizer)
+    missing = unallocated_optimizer_state_bytes(optimizers, "cuda")
+    plan = plan_memory(
+        *probes, tokens, resident, missing, available, optimizer_step_bytes(optimizers, "cuda")
+    )
     any_over = _world_max([0 if plan.fits else 1])[0]
     if plan.fits and not any_over:
         tight = "warning: tight, " if plan.predicted_peak_bytes > 0.9 * available else ""
@@ -67,6 +71,13 @@ def check_memory_plan(trainer) -> MemoryPlan | None:
     if plan.fits:
         raise MemoryError("another training rank's micro-batch plan does not fit in its GPU memory")
     args = trainer.args
+    if not plan.step_fits:
+        offload = "" if args.train_backend == "fsdp" else "turn on --optimizer-cpu-offload, or "
+        raise MemoryError(
+            f"the {trainer.role}'s {plan.summary()}: the optimizer step alone does not fit, whatever the "
+            f"micro-batch; {offload}spread the model over more GPUs (this process can use {available / GIB:.1f} "
+            "GiB of this GPU)"
+        )
     fix = "--gradient-checkpointing" if args.train_backend == "fsdp" else "--recompute-granularity full"
     if args.use_dynamic_batch_size:  # the budget may be --max-tokens-per-gpu x CP
         lower = f"--max-tokens-per-gpu {plan.max_fitting_tokens * args.max_tokens_per_gpu // tokens}"

@@ -3,7 +3,9 @@
 A trainer measures the peak memory of a forward/backward pass on two synthetic micro-batches smaller than the
 planned one (:class:`MemoryProbe`). Activation memory grows linearly with the tokens of a packed micro-batch
 (varlen flash attention keeps no ``tokens²`` scores), so the line through the two peaks, plus the optimizer state
-that is only created at the first step, predicts the peak of the planned micro-batch (:func:`plan_memory`).
+that is only created at the first step, predicts the peak of the planned micro-batch (:func:`plan_memory`). The
+optimizer step runs after the activations are gone but adds its own temporaries (:func:`optimizer_step_bytes`): with
+few activations (a large vocabulary's logits no longer held, many parameters) the step sets the peak.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 GIB = 1024**3
 
@@ -33,6 +36,8 @@ class MemoryPlan:
     # weights, optimizer state so far, and the gradients a step keeps (buffered already or created by it)
     resident_bytes: int
     optimizer_state_bytes: int  # optimizer state not allocated yet (created by the first step)
+    activation_bytes: int  # the forward/backward's peak above the resident memory
+    optimizer_step_bytes: int  # the optimizer step's temporaries (no activations are held then)
     available_bytes: int
     max_fitting_tokens: int
 
@@ -44,13 +49,18 @@ class MemoryPlan:
         return (
             f"micro-batch of {self.tokens} tokens: predicted peak {self.predicted_peak_bytes / GIB:.1f} GiB "
             f"(weights/gradients/optimizer {(self.resident_bytes + self.optimizer_state_bytes) / GIB:.1f} GiB, "
-            f"activations {self.activation_bytes / GIB:.1f} GiB) of {self.available_bytes / GIB:.1f} GiB "
+            f"then the larger of activations {self.activation_bytes / GIB:.1f} GiB and the optimizer step's "
+            f"temporaries {self.optimizer_step_bytes / GIB:.1f} GiB) of {self.available_bytes / GIB:.1f} GiB "
             f"available; up to about {self.max_fitting_tokens} tokens fit"
         )
 
     @property
-    def activation_bytes(self) -> int:
-        return self.predicted_peak_bytes - self.resident_bytes - self.optimizer_state_bytes
+    def step_fits(self) -> bool:
+        """Whether the optimizer step fits at all (no micro-batch size changes it)."""
+        return (
+            self.resident_bytes + self.optimizer_state_bytes + self.optimizer_step_bytes
+            <= self.available_bytes
+        )
 
 
 def plan_memory(
@@ -60,24 +70,32 @@ def plan_memory(
     resident_bytes: int,
     optimizer_state_bytes: int,
     available_bytes: int,
+    optimizer_step_bytes: int = 0,
 ) -> MemoryPlan:
     """Extrapolate the two probes' peaks to a micro-batch of ``tokens`` tokens and add the optimizer state the
-    first step will allocate. ``max_fitting_tokens`` is where the same line meets ``available_bytes``."""
+    first step will allocate; the peak is the larger of that and the optimizer step (resident memory, the whole
+    optimizer state and ``optimizer_step_bytes`` of temporaries). ``max_fitting_tokens`` is where the line meets
+    ``available_bytes`` (0 when the optimizer step alone does not fit)."""
     if large.tokens <= small.tokens:
         raise ValueError(f"probes need two sizes, got {small.tokens} and {large.tokens} tokens")
     per_token = max(large.peak_bytes - small.peak_bytes, 0) / (large.tokens - small.tokens)
     at_small = small.peak_bytes + optimizer_state_bytes
-    predicted = at_small + per_token * (tokens - small.tokens)
+    pass_peak = at_small + per_token * (tokens - small.tokens)
+    step_peak = resident_bytes + optimizer_state_bytes + optimizer_step_bytes
     room = available_bytes - at_small
-    if per_token > 0:
+    if step_peak > available_bytes:
+        max_tokens = 0
+    elif per_token > 0:
         max_tokens = small.tokens + room / per_token
     else:
         max_tokens = tokens if room >= 0 else 0
     return MemoryPlan(
         tokens=tokens,
-        predicted_peak_bytes=int(predicted),
+        predicted_peak_bytes=int(max(pass_peak, step_peak)),
         resident_bytes=resident_bytes,
         optimizer_state_bytes=optimizer_state_bytes,
+        activation_bytes=max(int(pass_peak) - resident_bytes - optimizer_state_bytes, 0),
+        optimizer_step_bytes=optimizer_step_bytes,
         available_bytes=available_bytes,
         max_fitting_tokens=max(int(max_tokens), 0),
     )
@@ -97,6 +115,26 @@ def unallocated_optimizer_state_bytes(
                 if inner.state.get(param) or (device_type and param.device.type != device_type):
                     continue
                 total += per_param * local_bytes(param)
+    return total
+
+
+def optimizer_step_bytes(optimizers: list[torch.optim.Optimizer], device_type: str | None = None) -> int:
+    """The temporaries of one step of ``optimizers``: torch's multi-tensor (``foreach``) Adam and AdamW take the
+    square root of every second moment at once (a copy of the parameters), and SGD with weight decay adds it into
+    a copy of the gradients; the fused kernels and the one-tensor-at-a-time loops hold no such copy. With
+    ``device_type``, only the parameters on that device count."""
+    total = 0
+    for inner in optimizers:
+        copies = "betas" in inner.defaults or bool(inner.defaults.get("weight_decay"))
+        for group in inner.param_groups:
+            params = [p for p in group["params"] if not device_type or p.device.type == device_type]
+            if not copies or group.get("fused") or not params:
+                continue
+            foreach = group.get("foreach")
+            if foreach is None:  # torch's default: the multi-tensor path where every parameter supports it
+                _, foreach = _default_to_fused_or_foreach(group["params"], bool(group.get("differentiable")))
+            if foreach:
+                total += sum(local_bytes(p) for p in params)
     return total
 
 
