@@ -406,8 +406,11 @@ def reduce_token_loss(
         return masked_loss.sum() / global_num_tokens
     if global_num_samples <= 0:
         raise ValueError(f"global_num_samples={global_num_samples} must be > 0")
-    lengths = torch.as_tensor(sample_lengths, device=per_token_loss.device)
-    sample_ids = torch.repeat_interleave(torch.arange(len(sample_lengths), device=lengths.device), lengths)
+    # built on the host and copied without waiting: lengths on the GPU cost two stream syncs per micro-batch (the
+    # copy, and repeat_interleave's output size)
+    lengths = torch.tensor(sample_lengths)
+    sample_ids = torch.repeat_interleave(torch.arange(len(sample_lengths)), lengths)
+    sample_ids = sample_ids.to(per_token_loss.device, non_blocking=True)
     per_sample_sum = masked_loss.new_zeros(len(sample_lengths)).index_add(0, sample_ids, masked_loss)
     if sample_denominators is None:
         sample_denominators = mask.new_zeros(len(sample_lengths)).index_add(0, sample_ids, mask)

@@ -1,0 +1,29 @@
+"""Per-micro-batch code that must not make the host wait for the GPU (a wait there drains the launch queue every
+micro-batch: 89 ms per 30B-A3B step in `bench/trainer_throughput.py --profile` before the loss reduction stopped
+copying its lengths to the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vime.utils.ppo_utils import reduce_token_loss
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture
+def syncs_are_errors():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    yield
+    torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_per_sample_loss_reduction_does_not_wait_for_the_gpu(syncs_are_errors):
+    per_token = torch.arange(10, dtype=torch.float32, device="cuda")
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 1, 0, 0, 1], dtype=torch.float32, device="cuda")
+    loss = reduce_token_loss(per_token, mask, [3, 7], False, global_num_samples=2, global_num_tokens=7)
+    torch.cuda.set_sync_debug_mode("default")
+    # sample 0: (0 + 1) / 2; sample 1: (3 + 4 + 5 + 6 + 9) / 5; summed over 2 samples
+    assert loss.item() == pytest.approx((0.5 + 27 / 5) / 2)
