@@ -27,3 +27,16 @@ def test_the_per_sample_loss_reduction_does_not_wait_for_the_gpu(syncs_are_error
     torch.cuda.set_sync_debug_mode("default")
     # sample 0: (0 + 1) / 2; sample 1: (3 + 4 + 5 + 6 + 9) / 5; summed over 2 samples
     assert loss.item() == pytest.approx((0.5 + 27 / 5) / 2)
+
+
+def test_the_gradient_norm_megatron_gets_does_not_wait_per_parameter(syncs_are_errors):
+    pytest.importorskip("megatron.core")
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    from vime.backends.megatron_utils.grad_norm import foreach_l2_norm
+
+    grads = [torch.randn(n, device="cuda") for n in (4096, 37, 1 << 20)]
+    norm, _ = foreach_l2_norm(2048 * 32, None, [grads], False)
+    torch.cuda.set_sync_debug_mode("default")
+    looped, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)  # Megatron-Core's own fallback
+    assert norm.item() == pytest.approx(looped.item(), rel=1e-5)

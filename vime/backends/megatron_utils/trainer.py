@@ -37,6 +37,7 @@ from vime.backends.megatron_utils.config import (
     optimizer_config_kwargs,
     role_args,
 )
+from vime.backends.megatron_utils.grad_norm import use_foreach_grad_norm
 from vime.backends.megatron_utils.hf_config import check_hf_config, load_hf_config
 from vime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
 from vime.backends.megatron_utils.model import (
@@ -124,6 +125,7 @@ class MegatronTrainer(TrainerBase):
         self.model = DistributedDataParallel(self.config, ddp_config, module)
         self.module = module
         optim_config = OptimizerConfig(**optimizer_config_kwargs(args, self.learning_rate))
+        use_foreach_grad_norm()
         self.optimizer = get_megatron_optimizer(optim_config, [self.model])
         self.scheduler = self._scheduler(self.learning_rate)
         self.step = 0
