@@ -111,10 +111,9 @@ def unallocated_optimizer_state_bytes(
     for inner in optimizers:
         per_param = 2 if "betas" in inner.defaults else 1 if inner.defaults.get("momentum") else 0
         for group in inner.param_groups:
-            for param in group["params"]:
-                if inner.state.get(param) or (device_type and param.device.type != device_type):
-                    continue
-                total += per_param * local_bytes(param)
+            total += sum(
+                per_param * local_bytes(p) for p in _on(group, device_type) if not inner.state.get(p)
+            )
     return total
 
 
@@ -127,7 +126,7 @@ def optimizer_step_bytes(optimizers: list[torch.optim.Optimizer], device_type: s
     for inner in optimizers:
         copies = "betas" in inner.defaults or bool(inner.defaults.get("weight_decay"))
         for group in inner.param_groups:
-            params = [p for p in group["params"] if not device_type or p.device.type == device_type]
+            params = _on(group, device_type)
             if not copies or group.get("fused") or not params:
                 continue
             foreach = group.get("foreach")
@@ -136,6 +135,11 @@ def optimizer_step_bytes(optimizers: list[torch.optim.Optimizer], device_type: s
             if foreach:
                 total += sum(local_bytes(p) for p in params)
     return total
+
+
+def _on(group: dict, device_type: str | None) -> list[torch.Tensor]:
+    """The parameters of an optimizer's param ``group`` on ``device_type`` (all of them without one)."""
+    return [p for p in group["params"] if not device_type or p.device.type == device_type]
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
