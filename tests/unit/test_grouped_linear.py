@@ -1,6 +1,7 @@
-"""grouped_linear (the MoE experts' grouped GEMM with fused weight-gradient accumulation) against a per-expert loop,
-on plain weights and on weights emulating Megatron DDP's main_grad buffer and backward hook. On CPU, and on CUDA
-where there is one (the GPU command in tests/gpu/test_megatron_gpu.py's grouped test runs this file too)."""
+"""grouped_linear (one projection of all experts as a grouped GEMM over a stacked ``[E, out, in]`` weight, with fused
+weight-gradient accumulation) against a per-expert loop, on a plain weight and on one emulating Megatron DDP's
+main_grad buffer and backward hook. On CPU, and on CUDA where there is one (the GPU command in
+tests/gpu/test_megatron_gpu.py's grouped test runs this file too)."""
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ def _offs(device: str) -> torch.Tensor:
     return torch.cumsum(torch.tensor(TOKENS), 0, dtype=torch.int32).to(device)
 
 
-def _weights(out_features: int, in_features: int, device: str) -> list[torch.nn.Parameter]:
+def _weight(out_features: int, in_features: int, device: str) -> torch.nn.Parameter:
     gen = torch.Generator().manual_seed(0)
-    shape = (out_features, in_features)
-    return [torch.nn.Parameter(torch.randn(shape, generator=gen).bfloat16().to(device)) for _ in TOKENS]
+    stacked = torch.randn(len(TOKENS), out_features, in_features, generator=gen)
+    return torch.nn.Parameter(stacked.bfloat16().to(device))
 
 
 def _inputs(in_features: int, out_features: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,98 +38,91 @@ def _poison_allocator(device: str) -> None:
             torch.full((numel,), float("nan"), device=device)
 
 
-def _reference(x: torch.Tensor, grad_out: torch.Tensor, weights: list[torch.Tensor]):
-    """Output, input gradient and weight gradients of the per-expert loop, in fp32."""
+def _reference(x: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor):
+    """Output, input gradient and weight gradient of the per-expert ``F.linear`` loop, in fp32."""
     x = x.float().requires_grad_()
-    ws = [w.detach().float().requires_grad_() for w in weights]
-    out = torch.cat([rows @ w.t() for rows, w in zip(x.split(TOKENS), ws, strict=True)])
+    w = weight.detach().float().requires_grad_()
+    rows = x.split(TOKENS)
+    out = torch.cat([torch.nn.functional.linear(r, w[e]) for e, r in enumerate(rows)])
     out.backward(grad_out.float())
-    return out.detach(), x.grad, [w.grad for w in ws]
+    return out.detach(), x.grad, w.grad
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected, atol=0.1, rtol=0.02)
 
 
-def _forward_backward_as_the_loop(x, grad_out, weights, device) -> list[torch.Tensor]:
+def _forward_backward_as_the_loop(x, grad_out, weight, device) -> torch.Tensor:
     """Run ``grouped_linear`` forward and backward (the allocator poisoned first), check its output and input
-    gradient against the per-expert loop's, and return the loop's weight gradients."""
-    out_ref, grad_x_ref, grads_ref = _reference(x, grad_out, weights)
+    gradient against the per-expert loop's, and return the loop's weight gradient."""
+    out_ref, grad_x_ref, grad_ref = _reference(x, grad_out, weight)
     x = x.requires_grad_()
     _poison_allocator(device)
-    out = grouped_linear(x, weights, _offs(device))
+    out = grouped_linear(x, weight, _offs(device))
     out.backward(grad_out)
     _close(out, out_ref)
     _close(x.grad, grad_x_ref)
-    return grads_ref
+    return grad_ref
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("in_features,out_features", [(16, 8), (8, 16)])
-def test_plain_weights_get_the_loops_gradients(in_features, out_features, device):
-    weights = _weights(out_features, in_features, device)
+def test_plain_weight_gets_the_loops_gradient(in_features, out_features, device):
+    weight = _weight(out_features, in_features, device)
     x, grad_out = _inputs(in_features, out_features, 1, device)
-    grads_ref = _forward_backward_as_the_loop(x, grad_out, weights, device)
-    for w, ref in zip(weights, grads_ref, strict=True):
-        assert w.grad.dtype == w.dtype and w.grad.shape == w.shape
-        _close(w.grad, ref)
-    assert torch.count_nonzero(weights[1].grad) == 0  # the expert without tokens
+    grad_ref = _forward_backward_as_the_loop(x, grad_out, weight, device)
+    assert weight.grad.dtype == weight.dtype and weight.grad.shape == weight.shape
+    _close(weight.grad, grad_ref)
+    assert torch.count_nonzero(weight.grad[1]) == 0  # the expert without tokens
 
 
-def _megatron_ddp(weights: list[torch.nn.Parameter], storages: list[int]) -> list:
-    """Emulate Megatron DDP (overlap_grad_reduce on): main_grads are views of one fp32 buffer in reverse parameter
-    order, and a hook after each parameter's AccumulateGrad asserts a grad, adds it unless grad_added_to_main_grad
-    is set, then drops it (distributed_data_parallel.py, _make_backward_post_hook); it notes in ``storages`` where
-    each grad lives. Returns the AccumulateGrad nodes, which the caller keeps alive (as DDP does) for the hooks."""
-    numel = weights[0].numel()
-    buffer = torch.zeros(len(weights) * numel, device=weights[0].device)
-    grad_accs = []
-    for i, w in enumerate(reversed(weights)):
-        w.main_grad = buffer[i * numel : (i + 1) * numel].view(w.shape)
-        w.grad_added_to_main_grad = False
+def _megatron_ddp(weight: torch.nn.Parameter, seen: list) -> object:
+    """Emulate Megatron DDP (overlap_grad_reduce on): main_grad is a contiguous view of an fp32 buffer (behind
+    another parameter's part), and a hook after the weight's AccumulateGrad asserts a grad, adds it unless
+    grad_added_to_main_grad is set, then drops it (distributed_data_parallel.py, _make_backward_post_hook); each
+    call is noted in ``seen``. Returns the AccumulateGrad node, which the caller keeps alive (as DDP does)."""
+    numel = weight.numel()
+    buffer = torch.zeros(numel + 7, device=weight.device)
+    weight.main_grad = buffer[7:].view(weight.shape)
+    weight.grad_added_to_main_grad = False
 
-        def hook(*_, w=w):
-            assert w.grad is not None, "param.grad being None is not safe when overlap_grad_reduce is True"
-            storages.append(w.grad.untyped_storage().data_ptr())
-            if not w.grad_added_to_main_grad:
-                w.main_grad.add_(w.grad.data)
-            w.grad = None
+    def hook(*_):
+        assert weight.grad is not None, "param.grad being None is not safe when overlap_grad_reduce is True"
+        seen.append(weight.grad_added_to_main_grad)
+        if not weight.grad_added_to_main_grad:
+            weight.main_grad.add_(weight.grad.data)
+        weight.grad = None
 
-        grad_accs.append(w.expand_as(w).grad_fn.next_functions[0][0])
-        grad_accs[-1].register_hook(hook)
-    return grad_accs
+    grad_acc = weight.expand_as(weight).grad_fn.next_functions[0][0]
+    grad_acc.register_hook(hook)
+    return grad_acc
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("in_features,out_features", [(16, 8), (8, 16)])
-def test_main_grads_accumulate_over_micro_batches(in_features, out_features, device):
-    weights = _weights(out_features, in_features, device)
-    storages = []
-    grad_accs = _megatron_ddp(weights, storages)  # noqa: F841 (kept alive)
-    expected = [torch.zeros(w.shape, device=device) for w in weights]
+def test_main_grad_accumulates_over_micro_batches(in_features, out_features, device):
+    weight = _weight(out_features, in_features, device)
+    seen = []
+    grad_acc = _megatron_ddp(weight, seen)  # noqa: F841 (kept alive)
+    expected = torch.zeros(weight.shape, device=device)
     for seed in (1, 2):
-        storages.clear()
         x, grad_out = _inputs(in_features, out_features, seed, device)
-        grads_ref = _forward_backward_as_the_loop(x, grad_out, weights, device)
-        # AccumulateGrad took the dummies as they are (views of one buffer), without a copy each
-        assert len(storages) == len(weights) and len(set(storages)) == 1
-        for w, total, ref in zip(weights, expected, grads_ref, strict=True):
-            total += ref
-            assert w.grad is None and w.grad_added_to_main_grad
-            assert w.main_grad.dtype == torch.float32
-            _close(w.main_grad, total)
-    assert torch.count_nonzero(weights[1].main_grad) == 0
+        expected += _forward_backward_as_the_loop(x, grad_out, weight, device)
+        assert weight.grad is None and weight.grad_added_to_main_grad
+        assert weight.main_grad.dtype == torch.float32
+        _close(weight.main_grad, expected)
+        weight.grad_added_to_main_grad = False  # so the next micro-batch has to set it again
+    assert seen == [True, True]  # one hook call per micro-batch, and it skipped its own add
+    assert torch.count_nonzero(weight.main_grad[1]) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_main_grads_without_ddp_hook_state_get_no_autograd_gradient(device):
+def test_main_grad_without_ddp_hook_state_gets_no_autograd_gradient(device):
     """Megatron's convention: a weight with main_grad but no grad_added_to_main_grad (not under DDP) gets None."""
-    weights = _weights(8, 16, device)
-    for w in weights:
-        w.main_grad = torch.zeros(w.shape, device=device)
+    weight = _weight(8, 16, device)
+    weight.main_grad = torch.zeros(weight.shape, device=device)
     x, grad_out = _inputs(16, 8, 3, device)
-    _, _, grads_ref = _reference(x, grad_out, weights)
-    grouped_linear(x, weights, _offs(device)).backward(grad_out)
-    for w, ref in zip(weights, grads_ref, strict=True):
-        assert w.grad is None
-        _close(w.main_grad, ref)
+    _, _, grad_ref = _reference(x, grad_out, weight)
+    grouped_linear(x, weight, _offs(device)).backward(grad_out)
+    assert weight.grad is None
+    _close(weight.main_grad, grad_ref)

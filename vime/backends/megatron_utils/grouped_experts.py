@@ -1,27 +1,46 @@
-"""``--moe-grouped-gemm`` without TransformerEngine: a MoE layer's local experts as two grouped GEMMs.
+"""``--moe-grouped-gemm`` without TransformerEngine: a MoE layer's local experts as stacked weights and two grouped
+GEMMs.
 
-Megatron-Core's grouped-GEMM experts need TransformerEngine; its local fallback, ``SequentialMLP``, runs one small
-GEMM pair per expert (128 experts: 384 kernel launches per layer and pass, each on a few dozen tokens).
-:class:`GroupedGemmExperts` keeps ``SequentialMLP``'s parameters (names, shapes, checkpoints, weight sync are
-unchanged) and computes all experts at once with ``torch.nn.functional.grouped_mm`` over the per-expert weights
-stacked for the pass (:func:`~vime.backends.megatron_utils.grouped_linear.grouped_linear`: one grouped GEMM per
-projection forward, two backward, the weight gradients accumulated into Megatron DDP's ``main_grad`` in a few
-launches). Where grouped GEMM does not apply (not CUDA bf16, a single local expert, expert tensor
-parallelism; checked per forward) it runs ``SequentialMLP``'s loop.
+Megatron-Core's grouped-GEMM experts need TransformerEngine; its local fallback, ``SequentialMLP``, keeps one weight
+per expert and projection and runs one small GEMM pair per expert. :class:`GroupedGemmExperts` holds each
+projection of all local experts as one parameter, ``stacked_fc1_weight`` ``[E, ffn (x2 gated), hidden]`` and
+``stacked_fc2_weight`` ``[E, hidden, ffn]`` (expert ``e``'s ``SequentialMLP`` weight is row ``e``), and computes
+them with ``torch.nn.functional.grouped_mm`` (:func:`~vime.backends.megatron_utils.grouped_linear.grouped_linear`):
+no per-pass stacking, one weight gradient, one ``main_grad`` add and one DDP hook per projection. Where grouped
+GEMM does not apply (not CUDA bf16, a single local expert, expert tensor parallelism; checked per forward) it
+loops over the experts with ``F.linear`` on rows of the stacked weights.
+
+Outside this module the experts stay ``SequentialMLP``'s: :func:`per_expert` names rows of a stacked tensor as
+``local_experts.{e}.linear_fc{1,2}.weight`` (HF mapping, weight sync), and :meth:`GroupedGemmExperts.sharded_state_dict`
+writes the ``torch_dist`` keys, global shapes and offsets ``SequentialMLP`` writes, so checkpoints load either way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_object_for_checkpoint,
+)
 
 from vime.backends.megatron_utils.grouped_linear import grouped_linear, grouped_mm
+
+# stacked parameter -> the per-expert linear of SequentialMLP's MLP it stacks
+STACKED = {"stacked_fc1_weight": "linear_fc1", "stacked_fc2_weight": "linear_fc2"}
+# what Megatron's linears mark their weights with for tensor and expert parallelism (``allreduce=False``: reduced
+# over the expert-data-parallel group, and an expert parameter to the optimizer's grad norm)
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce")
 
 
 def check_grouped_gemm_config(config: TransformerConfig) -> None:
@@ -35,6 +54,8 @@ def check_grouped_gemm_config(config: TransformerConfig) -> None:
         problems.append("--moe-apply-probs-on-input")
     if getattr(config, "activation_func_clamp_value", None) is not None:
         problems.append("a clamped activation")
+    if config.delay_wgrad_compute:
+        problems.append("--delay-wgrad-compute")
     if problems:
         raise ValueError(
             "--moe-grouped-gemm (vime's torch grouped-GEMM experts) does not support "
@@ -43,8 +64,24 @@ def check_grouped_gemm_config(config: TransformerConfig) -> None:
         )
 
 
-class GroupedGemmExperts(SequentialMLP):
-    """``SequentialMLP`` with its experts computed by two grouped GEMMs (see the module docstring)."""
+class GroupedGemmExperts(MegatronModule):
+    """A MoE layer's local experts as two stacked weights (see the module docstring); built with ``SequentialMLP``'s
+    arguments, and initialised as ``SequentialMLP`` initialises its experts."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        pg_collection=None,
+        name: str | None = None,
+    ):
+        experts = SequentialMLP(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+        super().__init__(config=experts.config)
+        self.num_local_experts = num_local_experts
+        self.ep_group, self.tp_group, self.dp_group = experts.ep_group, experts.tp_group, experts.dp_group
+        for stacked, linear in STACKED.items():
+            setattr(self, stacked, _stack([getattr(e, linear).weight for e in experts.local_experts]))
 
     def _grouped(self, hidden: torch.Tensor) -> bool:
         return (
@@ -59,16 +96,19 @@ class GroupedGemmExperts(SequentialMLP):
         permuted_local_hidden_states: torch.Tensor,
         tokens_per_expert: torch.Tensor,
         permuted_probs: torch.Tensor,
-    ):
-        hidden = permuted_local_hidden_states
-        if not self._grouped(hidden):
-            return super().forward(hidden, tokens_per_expert, permuted_probs)
-        # the dispatchers hand the counts over on the host: sum them there, then one copy without a stream sync
-        ends = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(hidden.device, non_blocking=True)
-        fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # each [ffn (x2 gated), hidden]
-        fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # each [hidden, ffn]
-        intermediate = self._activate(grouped_linear(hidden, fc1, ends), permuted_probs)
-        return grouped_linear(intermediate, fc2, ends), None
+    ) -> tuple[torch.Tensor, None]:
+        hidden, probs = permuted_local_hidden_states, permuted_probs
+        fc1, fc2 = self.stacked_fc1_weight, self.stacked_fc2_weight
+        if self._grouped(hidden):
+            # the dispatchers hand the counts over on the host: sum them there, then one copy without a stream sync
+            ends = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(hidden.device, non_blocking=True)
+            return grouped_linear(self._activate(grouped_linear(hidden, fc1, ends), probs), fc2, ends), None
+        counts = tokens_per_expert.tolist()
+        outputs = [
+            F.linear(self._activate(F.linear(rows, fc1[e]), p), fc2[e])
+            for e, (rows, p) in enumerate(zip(hidden.split(counts), probs.split(counts), strict=True))
+        ]
+        return torch.cat(outputs), None
 
     def _activate(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The expert MLP's activation, each token scaled by its routing probability (as ``MLP`` does)."""
@@ -81,6 +121,94 @@ class GroupedGemmExperts(SequentialMLP):
         else:
             x = config.activation_func(x)
         return (x * probs.unsqueeze(-1)).to(x.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """``SequentialMLP``'s ``torch_dist`` entries (keys ``{prefix}experts.linear_fc{1,2}.weight`` over all
+        experts, gated ``linear_fc1`` as its gate and up halves, the linears' empty extra states), each stacked
+        weight as one shard of this rank's experts. The entries hold the parameters themselves, so the optimizer's
+        state maps onto them (and loads either way too)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        if metadata.get("singleton_local_shards", False):
+            raise ValueError("--moe-grouped-gemm: singleton_local_shards checkpoints are not supported")
+        axis = len(sharded_offsets)  # the experts' axis, where SequentialMLP prepends it
+        ep_rank, ep_size = self.ep_group.rank(), self.ep_group.size()
+        tp_rank, tp_size = self.tp_group.rank(), self.tp_group.size()
+        replica_id = (0, 0, self.dp_group.rank())
+
+        def shard(key: str, data: torch.Tensor, *offsets: tuple[int, int, int]) -> ShardedTensor:
+            return ShardedTensor.from_rank_offsets(
+                key, data, *sharded_offsets, (axis, ep_rank, ep_size), *offsets,
+                replica_id=replica_id, prepend_axis_num=axis,
+            )  # fmt: skip
+
+        fc1_key = f"{prefix}experts.linear_fc1.weight"
+        fc1 = self.stacked_fc1_weight
+        if self.config.gated_linear_unit:
+
+            @torch.no_grad()
+            def halves(key, data, replica, flattened_range):
+                # the checkpoint holds [gate of all TP ranks; up of all TP ranks], as Megatron's swiglu factory
+                gate, up = torch.chunk(data, 2, dim=1)
+                return [
+                    shard(key, gate, (axis + 1, tp_rank, 2 * tp_size)),
+                    shard(key, up, (axis + 1, tp_size + tp_rank, 2 * tp_size)),
+                ]
+
+            fc1_entry = ShardedTensorFactory(fc1_key, fc1, halves, partial(torch.cat, dim=1), replica_id)
+        else:
+            fc1_entry = shard(fc1_key, fc1, (axis + 1, tp_rank, tp_size))
+        state = {
+            f"{prefix}stacked_fc1_weight": fc1_entry,
+            f"{prefix}stacked_fc2_weight": shard(
+                f"{prefix}experts.linear_fc2.weight", self.stacked_fc2_weight, (axis + 2, tp_rank, tp_size)
+            ),
+        }
+        num_experts = ep_size * self.num_local_experts
+        extra_replica_id = (0, tp_rank, replica_id[2])
+        for e in range(self.num_local_experts):
+            expert = (*sharded_offsets, (axis, ep_rank * self.num_local_experts + e, num_experts))
+            for linear in STACKED.values():
+                key = f"{prefix}experts.{linear}._extra_state"
+                state[f"{prefix}local_experts.{e}.{linear}._extra_state"] = (
+                    make_sharded_object_for_checkpoint(None, key, expert, replica_id=extra_replica_id)
+                )
+        return state
+
+
+def _stack(weights: list[torch.nn.Parameter]) -> torch.nn.Parameter:
+    """One parameter ``[E, *shape]`` of the experts' weights, with their Megatron attributes (tensor and expert
+    parallelism: ``allreduce``, ``tensor_model_parallel``, ...), its ``partition_dim`` shifted past the experts."""
+    stacked = torch.nn.Parameter(torch.stack([w.detach() for w in weights]))
+    _copy_parallel_attrs(weights[0], stacked, 1)
+    return stacked
+
+
+def _copy_parallel_attrs(source: torch.Tensor, target: torch.Tensor, shift: int) -> None:
+    for attr in _PARALLEL_ATTRS:
+        if hasattr(source, attr):
+            setattr(target, attr, getattr(source, attr) + (shift if attr == "partition_dim" else 0))
+
+
+def per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` as ``SequentialMLP`` names it: a stacked expert weight (or its ``main_grad``, ...) of
+    :class:`GroupedGemmExperts` as one detached view per local expert, ``...experts.local_experts.{e}.linear_fc1.weight``
+    etc., carrying the per-expert Megatron attributes; any other tensor as it is."""
+    module, dot, attr = name.rpartition(".")
+    linear = STACKED.get(attr)
+    if linear is None:
+        return [(name, tensor)]
+    views = []
+    for e, view in enumerate(tensor.detach().unbind(0)):
+        _copy_parallel_attrs(tensor, view, -1)
+        views.append((f"{module}{dot}local_experts.{e}.{linear}.weight", view))
+    return views
+
+
+def per_expert_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()`` with every stacked expert weight as :func:`per_expert` views: the names and
+    tensors a model of ``SequentialMLP`` experts has."""
+    for name, param in model.named_parameters():
+        yield from per_expert(name, param)
 
 
 def use_grouped_experts(mlp_spec) -> None:
