@@ -170,3 +170,45 @@ def test_torch_dist_checkpoint_loads_into_the_other_layout(gated, save_cls, load
     assert sorted(got) == sorted(want)  # per projection, then per expert; SequentialMLP the other way round
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def as_gpt_model(experts: torch.nn.Module) -> torch.nn.Module:
+    """``experts`` as layer 0's experts of a GPTModel-shaped module (what ``weights`` reads of one)."""
+    model = torch.nn.Module()
+    model.config = experts.config
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.decoder.layers[0].layer_number = 1
+    model.decoder.layers[0].mlp = torch.nn.Module()
+    model.decoder.layers[0].mlp.experts = experts
+    return model
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_hf_weights_load_into_stacked_experts_under_sequential_mlps_mapping(gated, tmp_path):
+    from safetensors.torch import save_file
+
+    from vime.backends.megatron_utils import hf_mapping, weights
+
+    sequential = as_gpt_model(build(SequentialMLP, gated, 5))
+    stacked = as_gpt_model(build(GroupedGemmExperts, gated, 6))
+    want = {e.canonical: e for e in weights.local_tensors(sequential)}
+    got = {e.canonical: e for e in weights.local_tensors(stacked)}
+    assert sorted(got) == sorted(want)
+    for name, entry in want.items():
+        assert (got[name].hf_names, got[name].kind, got[name].tp_dim, got[name].is_expert) == (
+            entry.hf_names,
+            entry.kind,
+            entry.tp_dim,
+            entry.is_expert,
+        ), name
+    shape = weights.attention_shape(sequential)
+    hf = {}
+    for entry in want.values():
+        hf.update(
+            zip(entry.hf_names, hf_mapping.to_hf(entry.kind, entry.tensor.detach(), shape), strict=True)
+        )
+    save_file({n: t.contiguous() for n, t in hf.items()}, tmp_path / "model.safetensors")
+    weights.load_hf_weights(stacked, tmp_path, hf_vocab_size=0)
+    for name, entry in want.items():
+        assert torch.equal(got[name].tensor, entry.tensor), name

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 
 from vime.backends.megatron_utils import hf_mapping
+from vime.backends.megatron_utils.grouped_experts import per_expert_parameters
 from vime.backends.megatron_utils.hf_mapping import AttentionShape
 from vime.utils.weight_buckets import Bucket, StackedTensor, in_buckets
 
@@ -63,7 +64,8 @@ def attention_shape(model) -> AttentionShape:
 
 
 def local_tensors(model) -> list[LocalTensor]:
-    """This rank's parameters (and the router's expert-bias buffers) with their canonical names."""
+    """This rank's parameters (and the router's expert-bias buffers) with their canonical names; stacked expert
+    weights (``--moe-grouped-gemm``) as per-expert views, named and written as ``SequentialMLP``'s."""
     layer_offset = 0
     layers = getattr(getattr(model, "decoder", None), "layers", None)
     if layers is not None and len(layers) > 0:
@@ -80,7 +82,7 @@ def local_tensors(model) -> list[LocalTensor]:
 
     mla = model.config.multi_latent_attention
     out = []
-    items = list(model.named_parameters()) + [
+    items = list(per_expert_parameters(model)) + [
         (n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")
     ]
     for name, tensor in items:
