@@ -180,8 +180,9 @@ _MOE = [
         "--moe-grouped-gemm",
         dict(
             action="store_true",
-            help="All local experts in two grouped GEMMs (torch grouped_mm, no TransformerEngine) in CUDA bf16 "
-            "with expert TP 1; otherwise the experts run one by one.",
+            help="Each MoE layer's expert weights kept stacked (one parameter per projection; names, HF mapping "
+            "and torch_dist checkpoints stay per expert) and run as two grouped GEMMs (torch grouped_mm, no "
+            "TransformerEngine) in CUDA bf16 with expert TP 1; otherwise the experts run one by one.",
         ),
     ),
     (

@@ -104,11 +104,9 @@ class GroupedGemmExperts(MegatronModule):
             ends = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(hidden.device, non_blocking=True)
             return grouped_linear(self._activate(grouped_linear(hidden, fc1, ends), probs), fc2, ends), None
         counts = tokens_per_expert.tolist()
-        outputs = [
-            F.linear(self._activate(F.linear(rows, fc1[e]), p), fc2[e])
-            for e, (rows, p) in enumerate(zip(hidden.split(counts), probs.split(counts), strict=True))
-        ]
-        return torch.cat(outputs), None
+        # unbind: one backward node stacks the experts' gradients (indexing would add a full-size one per expert)
+        pieces = zip(hidden.split(counts), probs.split(counts), fc1.unbind(0), fc2.unbind(0), strict=True)
+        return torch.cat([F.linear(self._activate(F.linear(x, w1), p), w2) for x, p, w1, w2 in pieces]), None
 
     def _activate(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The expert MLP's activation, each token scaled by its routing probability (as ``MLP`` does)."""
