@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from vime.backends.megatron_utils.grouped_experts import (  # noqa: E402
     GroupedGemmExperts,
+    check_expert_patterns,
     per_expert,
     per_expert_parameters,
 )
@@ -90,6 +91,19 @@ def test_stacked_experts_are_sequential_mlps_weights_under_its_names(gated):
     with torch.no_grad():
         got[PREFIX + "local_experts.2.linear_fc2.weight"].fill_(3.0)
     assert torch.all(stacked.stacked_fc2_weight[2] == 3.0)
+
+
+def test_a_pattern_naming_single_stacked_experts_is_refused_with_the_way_out():
+    stacked, sequential = build(GroupedGemmExperts, True, 0), build(SequentialMLP, True, 0)
+    single = {"--freeze-params-name-list": [r"local_experts\.1\."], "--only-train-params-name-list": None}
+    with pytest.raises(
+        ValueError, match="--freeze-params-name-list .* names single experts.*stacked_fc1_weight"
+    ):
+        check_expert_patterns(stacked, single)
+    check_expert_patterns(sequential, single)  # per-expert parameters: the pattern is fine
+    whole = {"--only-train-params-name-list": ["stacked_fc1_weight"]}
+    check_expert_patterns(stacked, whole)  # all of a layer's experts: fine
+    check_expert_patterns(stacked, {"--freeze-params-name-list": ["no_such_weight"]})  # freeze.py's error
 
 
 @pytest.mark.parametrize("gated", [True, False])

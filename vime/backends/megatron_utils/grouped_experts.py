@@ -17,6 +17,7 @@ writes the ``torch_dist`` keys, global shapes and offsets ``SequentialMLP`` writ
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from functools import partial
 
@@ -207,6 +208,23 @@ def per_expert_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.T
     tensors a model of ``SequentialMLP`` experts has."""
     for name, param in model.named_parameters():
         yield from per_expert(name, param)
+
+
+def check_expert_patterns(model: torch.nn.Module, patterns: dict[str, list[str] | None]) -> None:
+    """Refuse a ``--freeze-params-name-list`` / ``--only-train-params-name-list`` pattern (``patterns``: flag ->
+    patterns) that names single experts of stacked weights: it matches ``SequentialMLP``'s per-expert names but no
+    parameter, and a stacked weight trains or freezes as a whole."""
+    real = [name for name, _ in model.named_parameters()]
+    views = [name for name, _ in per_expert_parameters(model)]
+    for flag, flag_patterns in patterns.items():
+        for pattern in flag_patterns or []:
+            if not any(re.search(pattern, n) for n in real) and any(re.search(pattern, n) for n in views):
+                raise ValueError(
+                    f"{flag} {pattern!r} names single experts, but --moe-grouped-gemm keeps each layer's experts "
+                    "as two stacked parameters (...mlp.experts.stacked_fc1_weight, stacked_fc2_weight) that "
+                    "train or freeze as a whole: match those names to freeze all of a layer's experts, or drop "
+                    "--moe-grouped-gemm to freeze experts one by one"
+                )
 
 
 def use_grouped_experts(mlp_spec) -> None:

@@ -38,6 +38,7 @@ from vime.backends.megatron_utils.config import (
     role_args,
 )
 from vime.backends.megatron_utils.grad_norm import use_foreach_grad_norm
+from vime.backends.megatron_utils.grouped_experts import check_expert_patterns
 from vime.backends.megatron_utils.hf_config import check_hf_config, load_hf_config
 from vime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
 from vime.backends.megatron_utils.model import (
@@ -120,7 +121,11 @@ class MegatronTrainer(TrainerBase):
         self.dtype = compute_dtype(args)
 
         module = self._load_module(args.hf_checkpoint)
-        apply_trainable_patterns(module, args.freeze_params_name_list, args.only_train_params_name_list)
+        freeze, only_train = args.freeze_params_name_list, args.only_train_params_name_list
+        check_expert_patterns(
+            module, {"--freeze-params-name-list": freeze, "--only-train-params-name-list": only_train}
+        )
+        apply_trainable_patterns(module, freeze, only_train)
         ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(args))
         self.model = DistributedDataParallel(self.config, ddp_config, module)
         self.module = module
