@@ -106,6 +106,25 @@ def test_a_pattern_naming_single_stacked_experts_is_refused_with_the_way_out():
     check_expert_patterns(stacked, {"--freeze-params-name-list": ["no_such_weight"]})  # freeze.py's error
 
 
+def test_a_distributed_optimizers_state_does_not_load_across_expert_layouts(tmp_path):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from vime.backends.megatron_utils.checkpoint import check_optimizer_layout, expert_layout
+
+    stacked, sequential = build(GroupedGemmExperts, True, 0), build(SequentialMLP, True, 0)
+    assert (expert_layout(stacked), expert_layout(sequential)) == ("stacked", "per-expert")
+    distributed = object.__new__(DistributedOptimizer)  # only its type is asked
+    with pytest.raises(
+        ValueError, match="saved with per-expert expert weights.*Resume without --moe-grouped-gemm"
+    ):
+        check_optimizer_layout({}, stacked, distributed, tmp_path)  # a checkpoint from before stacked experts
+    with pytest.raises(ValueError, match="saved with stacked expert weights.*Resume with --moe-grouped-gemm"):
+        check_optimizer_layout({"expert_layout": "stacked"}, sequential, distributed, tmp_path)
+    check_optimizer_layout({"expert_layout": "stacked"}, stacked, distributed, tmp_path)  # same layout
+    plain = torch.optim.SGD(sequential.parameters(), lr=0.1)  # keyed per parameter: loads either way
+    check_optimizer_layout({"expert_layout": "stacked"}, sequential, plain, tmp_path)
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_fallback_forward_and_backward_match_sequential_mlp(gated):
     sequential, stacked = build(SequentialMLP, gated, 1), build(GroupedGemmExperts, gated, 1)

@@ -4,7 +4,7 @@ Layout of ``--save DIR``::
 
     DIR/latest_checkpointed_iteration.txt      last complete rollout id (written last, by rank 0)
     DIR/iter_{rollout_id:07d}/                  torch_dist: {"model": ..., "optimizer": ...} sharded tensors
-    DIR/iter_{rollout_id:07d}/vime_state.pt     rank 0: rollout id, optimizer step, LR scheduler state
+    DIR/iter_{rollout_id:07d}/vime_state.pt     rank 0: rollout id, optimizer step, LR scheduler state, expert layout
     DIR/iter_{rollout_id:07d}/rng/rank_{r}.pt   per rank: torch, CUDA (+Megatron tracker), python, numpy RNG
 
 The model part is keyed by Megatron's sharded names, so it reloads under another TP/PP/EP layout.
@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from vime.backends.megatron_utils import weights
+from vime.backends.megatron_utils.grouped_experts import GroupedGemmExperts
 from vime.utils.checkpoint_layout import (
     LATEST_FILE,
     host_rng_state,
@@ -113,6 +115,7 @@ def save(save_dir, rollout_id: int, model, optimizer, scheduler, step: int) -> P
                 "rollout_id": rollout_id,
                 "step": step,
                 "scheduler": scheduler.state_dict() if scheduler else None,
+                "expert_layout": expert_layout(model),
             },
             out / "vime_state.pt",
         )
@@ -129,6 +132,9 @@ def load(load_dir, step: int | None, model, optimizer, scheduler, load_rng: bool
     iter_dir = iteration_dir(load_dir, step)
     if not iter_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint {iter_dir}")
+    vime_state = torch.load(iter_dir / "vime_state.pt", weights_only=False)
+    if optimizer is not None:
+        check_optimizer_layout(vime_state, model, optimizer, iter_dir)
     state = {"model": model.sharded_state_dict(metadata=METADATA)}
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
@@ -139,13 +145,32 @@ def load(load_dir, step: int | None, model, optimizer, scheduler, load_rng: bool
         optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer, loaded["optimizer"])
         _sync_hybrid_optimizer(optimizer)
-    vime_state = torch.load(iter_dir / "vime_state.pt", weights_only=False)
     if scheduler is not None and vime_state.get("scheduler") is not None:
         scheduler.load_state_dict(vime_state["scheduler"])
     rng_file = iter_dir / "rng" / f"rank_{dist.get_rank()}.pt"
     if load_rng and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return vime_state
+
+
+def expert_layout(model) -> str:
+    """How ``model`` holds its MoE experts' weights: ``stacked`` (``--moe-grouped-gemm``) or ``per-expert``."""
+    return "stacked" if any(isinstance(m, GroupedGemmExperts) for m in model.modules()) else "per-expert"
+
+
+def check_optimizer_layout(vime_state: dict, model, optimizer, iter_dir: Path) -> None:
+    """Refuse to load a distributed optimizer's state saved under the other expert layout: that state is flat
+    per gradient bucket, whose order the layout changes, so it would load into the wrong parameters. (The model's
+    weights, and a plain optimizer's state, are keyed per expert and load either way.)"""
+    saved = vime_state.get("expert_layout", "per-expert")  # checkpoints from before stacked experts
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    if saved != expert_layout(model) and any(isinstance(o, DistributedOptimizer) for o in inners):
+        flag = "with" if saved == "stacked" else "without"
+        raise ValueError(
+            f"{iter_dir}: its distributed optimizer state was saved with {saved} expert weights, this run holds "
+            f"them {expert_layout(model)}; that state is laid out by gradient bucket and cannot move between the "
+            f"two. Resume {flag} --moe-grouped-gemm, or load the weights only (--no-load-optim)"
+        )
 
 
 def export_hf(model, out_dir, tokenizer_path, hf_vocab_size: int, dtype: torch.dtype) -> None:
