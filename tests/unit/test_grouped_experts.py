@@ -31,13 +31,17 @@ PREFIX = "decoder.layers.0.mlp.experts."
 
 @pytest.fixture(scope="module", autouse=True)
 def one_process_group(tmp_path_factory):
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         store = tmp_path_factory.mktemp("dist") / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():  # a trainer of an earlier test in this process
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()
     yield
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    if created:
+        dist.destroy_process_group()
 
 
 class FakeGroup:
