@@ -4,6 +4,8 @@ copying its lengths to the GPU)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -12,31 +14,34 @@ from vime.utils.ppo_utils import reduce_token_loss
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture
+@contextmanager
 def syncs_are_errors():
+    """Inside: any CUDA call that makes the host wait raises (the inputs are built before, outside)."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    yield
-    torch.cuda.set_sync_debug_mode("default")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
-def test_the_per_sample_loss_reduction_does_not_wait_for_the_gpu(syncs_are_errors):
+def test_the_per_sample_loss_reduction_does_not_wait_for_the_gpu():
     per_token = torch.arange(10, dtype=torch.float32, device="cuda")
     mask = torch.tensor([1, 1, 0, 1, 1, 1, 1, 0, 0, 1], dtype=torch.float32, device="cuda")
-    loss = reduce_token_loss(per_token, mask, [3, 7], False, global_num_samples=2, global_num_tokens=7)
-    torch.cuda.set_sync_debug_mode("default")
+    with syncs_are_errors():
+        loss = reduce_token_loss(per_token, mask, [3, 7], False, global_num_samples=2, global_num_tokens=7)
     # sample 0: (0 + 1) / 2; sample 1: (3 + 4 + 5 + 6 + 9) / 5; summed over 2 samples
     assert loss.item() == pytest.approx((0.5 + 27 / 5) / 2)
 
 
-def test_the_gradient_norm_megatron_gets_does_not_wait_per_parameter(syncs_are_errors):
+def test_the_gradient_norm_megatron_gets_does_not_wait_per_parameter():
     pytest.importorskip("megatron.core")
     from megatron.core.utils import local_multi_tensor_l2_norm
 
     from vime.backends.megatron_utils.grad_norm import foreach_l2_norm
 
     grads = [torch.randn(n, device="cuda") for n in (4096, 37, 1 << 20)]
-    norm, _ = foreach_l2_norm(2048 * 32, None, [grads], False)
-    torch.cuda.set_sync_debug_mode("default")
+    with syncs_are_errors():
+        norm, _ = foreach_l2_norm(2048 * 32, None, [grads], False)
     looped, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)  # Megatron-Core's own fallback
     assert norm.item() == pytest.approx(looped.item(), rel=1e-5)

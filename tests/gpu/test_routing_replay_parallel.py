@@ -52,7 +52,7 @@ def test_routing_replay_is_the_same_under_every_parallelism(tmp_path):
 
 def _worker(root: Path) -> None:
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from parallel_groups import release_model_parallel
     from test_megatron_gpu import make_args, mean_abs_diff, samples_for_test
     from test_routing_replay_gpu import hf_model, other_experts, own_routing
 
@@ -71,8 +71,6 @@ def _worker(root: Path) -> None:
         for name, extra in CASES if mode != "free" else CASES[:1]:
             if mode == "record" and name in ("ep2", "recompute"):
                 continue  # nothing of the token layout changes
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
             config = make_args(
                 model_dir,
                 "--actor-num-gpus-per-node",
@@ -100,7 +98,7 @@ def _worker(root: Path) -> None:
                     flush=True,
                 )
             del trainer
-            torch.cuda.empty_cache()
+            release_model_parallel()
 
     forced_vs_free = mean_abs_diff(results["r3", "tp1"][0], results["free", "tp1"][0])
     if rank == 0:
