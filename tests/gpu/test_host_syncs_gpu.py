@@ -4,7 +4,11 @@ copying its lengths to the GPU)."""
 
 from __future__ import annotations
 
+import sys
+import warnings
+from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,3 +49,41 @@ def test_the_gradient_norm_megatron_gets_does_not_wait_per_parameter():
         norm, _ = foreach_l2_norm(2048 * 32, None, [grads], False)
     looped, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)  # Megatron-Core's own fallback
     assert norm.item() == pytest.approx(looped.item(), rel=1e-5)
+
+
+def _vime_syncs(step) -> Counter:
+    """Where in vime's own code ``step()`` makes the host wait for the GPU: (file, line) -> times."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return Counter(
+        f"{Path(w.filename).name}:{w.lineno}"
+        for w in caught
+        if "synchronizing" in str(w.message) and "/vime/" in w.filename
+    )
+
+
+def test_a_megatron_train_step_waits_no_more_often_with_more_micro_batches(tmp_path):
+    """vime's micro-batch path (layout, attention blocks, loss inputs, loss metrics) makes no host wait per
+    micro-batch: the same samples in 6 micro-batches wait where they wait in one, as often."""
+    pytest.importorskip("megatron.core")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_megatron_gpu import build_moe, make_args, samples_for_test
+
+    from vime.backends.megatron_utils.trainer import MegatronTrainer
+
+    build_moe(tmp_path)
+    trainer = MegatronTrainer(make_args(tmp_path, "--optimizer", "sgd", "--advantage-estimator", "grpo"))
+    samples, rewards = samples_for_test(), [1.0, -1.0] * 3
+    trainer.train(0, samples, rewards)  # warm-up
+    syncs = {}
+    for micro_batch_size in (6, 1):
+        trainer.args.micro_batch_size = micro_batch_size
+        syncs[micro_batch_size] = _vime_syncs(lambda: trainer.train(0, samples, rewards))
+    grown = {site: (syncs[6][site], n) for site, n in syncs[1].items() if n > syncs[6][site]}
+    print(f"[host syncs] one micro-batch: {dict(syncs[6])}; six: {dict(syncs[1])}")
+    assert not grown, f"vime waits for the GPU once more per micro-batch at (1 vs 6 micro-batches): {grown}"

@@ -101,7 +101,7 @@ def loss_inputs(
     inputs = []
     for mb in micro_batches:
         packed = pack_samples([samples[i] for i in mb], [routes[i] for i in mb] if routes else None)
-        mask = torch.cat([masks[i] for i in mb]).to(device)
+        mask = torch.cat([masks[i] for i in mb]).to(device, non_blocking=True)
         batch: dict[str, Any] = {
             "response_lengths": packed.response_lengths,
             "total_lengths": packed.total_lengths,
@@ -112,11 +112,17 @@ def loss_inputs(
                 args.calculate_per_token_loss,
                 int(num_samples),
                 int(num_tokens),
-                None if denominators is None else torch.tensor([denominators[i] for i in mb], device=device),
+                None
+                if denominators is None
+                else torch.tensor([denominators[i] for i in mb]).to(device, non_blocking=True),
             ),
         }
         for key, per_sample in data.items():
-            batch[key] = torch.cat([per_sample[i] for i in mb]).to(device) if per_sample is not None else None
+            batch[key] = (
+                torch.cat([per_sample[i] for i in mb]).to(device, non_blocking=True)
+                if per_sample is not None
+                else None
+            )
         if with_tokens:
             batch["unconcat_tokens"] = [torch.tensor(samples[i].tokens) for i in mb]
         inputs.append((mb, packed, batch))
@@ -138,3 +144,18 @@ def trajectory_denominators(
     for part in dp.gather_objects(local):
         totals.update(part)
     return len(totals), [totals[trajectory_key(s)] for s in samples]
+
+
+def add_metrics(sums: dict[str, torch.Tensor | float], metrics: dict[str, Any]) -> None:
+    """Add one micro-batch's loss metrics into ``sums``. Tensors stay on their device (a ``float()`` per metric
+    and micro-batch made the host wait for the GPU between every forward and backward); :func:`metric_sums`
+    reads them once, after the step."""
+    for key, value in metrics.items():
+        value = value.detach() if isinstance(value, torch.Tensor) else float(value)
+        sums[key] = sums.get(key, 0.0) + value
+
+
+def metric_sums(sums: dict[str, torch.Tensor | float], dp: DataParallel) -> dict[str, float]:
+    """``sums`` as floats, summed over the data-parallel ranks."""
+    keys = sorted(sums)
+    return dict(zip(keys, dp.sum([float(sums[k]) for k in keys]), strict=True))

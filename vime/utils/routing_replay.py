@@ -41,7 +41,9 @@ class MicroBatchRouting:
     mask: torch.Tensor
 
     def to(self, device: torch.device | str) -> MicroBatchRouting:
-        return MicroBatchRouting(self.experts.to(device), self.mask.to(device))
+        return MicroBatchRouting(
+            self.experts.to(device, non_blocking=True), self.mask.to(device, non_blocking=True)
+        )
 
 
 def in_backward() -> bool:

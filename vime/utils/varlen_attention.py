@@ -58,10 +58,12 @@ class VarlenBlocks:
         """Key rows of every block back to back (for the varlen kernel), or None when they already are."""
         if all(c == (self.blocks[i - 1][3] if i else 0) for i, (_, _, c, _) in enumerate(self.blocks)):
             return None
-        return torch.cat([torch.arange(c, d) for _, _, c, d in self.blocks]).to(self.device)
+        return torch.cat([torch.arange(c, d) for _, _, c, d in self.blocks]).to(
+            self.device, non_blocking=True
+        )
 
     def _cumulative(self, sizes: list[int]) -> torch.Tensor:
-        return torch.tensor([0, *accumulate(sizes)], dtype=torch.int32, device=self.device)
+        return torch.tensor([0, *accumulate(sizes)], dtype=torch.int32).to(self.device, non_blocking=True)
 
 
 def flash_varlen_supported(query: torch.Tensor) -> bool:
@@ -164,4 +166,4 @@ def packed_causal_attention(
 
 def _rows(ranges: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """The row indices of ``ranges`` back to back."""
-    return torch.cat([torch.arange(start, end) for start, end in ranges]).to(device)
+    return torch.cat([torch.arange(start, end) for start, end in ranges]).to(device, non_blocking=True)

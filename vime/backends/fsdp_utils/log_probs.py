@@ -14,8 +14,8 @@ def _inputs(batch: PackedBatch, device: torch.device) -> dict:
     # position_ids restart at 0 per sample (RoPE); vime_blocks keeps samples apart in the packed attention
     # (fsdp_utils.model.packed_attention). No KV cache and no attention mask.
     return {
-        "input_ids": batch.input_ids.to(device).unsqueeze(0),
-        "position_ids": batch.position_ids.to(device).unsqueeze(0),
+        "input_ids": batch.input_ids.to(device, non_blocking=True).unsqueeze(0),
+        "position_ids": batch.position_ids.to(device, non_blocking=True).unsqueeze(0),
         "use_cache": False,
         "vime_blocks": VarlenBlocks.for_sequences(batch.total_lengths, device),
     }
@@ -29,9 +29,9 @@ def response_logits(
     Only those positions go through the LM head (``logits_to_keep``), so the ``[tokens, vocab]`` logits of prompts
     are never built.
     """
-    index = batch.logit_indices().to(device)
+    index = batch.logit_indices().to(device, non_blocking=True)
     logits = model(**_inputs(batch, device), logits_to_keep=index).logits[0]
-    return logits, batch.input_ids.to(device)[index + 1]
+    return logits, batch.input_ids.to(device, non_blocking=True)[index + 1]
 
 
 def token_log_probs(
@@ -75,5 +75,5 @@ def forward_log_probs(
 def forward_values(model: nn.Module, batch: PackedBatch, device: torch.device) -> torch.Tensor:
     """Critic values at the positions that predict each response token (the state before the action), fp32,
     1-D over the packed responses."""
-    index = batch.logit_indices().to(device)
+    index = batch.logit_indices().to(device, non_blocking=True)
     return model(**_inputs(batch, device)).logits[0, index, 0].float()

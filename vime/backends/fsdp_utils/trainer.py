@@ -32,6 +32,7 @@ from vime.backends.fsdp_utils.log_probs import (
 from vime.backends.fsdp_utils.model import ROLES, build_model, compute_dtype
 from vime.backends.fsdp_utils.optimizer import build_lr_scheduler, build_optimizer
 from vime.backends.fsdp_utils.routing_replay import attach_routing_replay
+from vime.backends.micro_batches import add_metrics, metric_sums
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import DataParallel, device, init_distributed
 from vime.utils.freeze import apply_trainable_patterns
@@ -207,7 +208,7 @@ class FSDPTrainer(TrainerBase):
         """One optimizer step with gradient accumulation over micro-batches."""
         args = self.args
         start = time.perf_counter()
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor | float] = {}
         inputs, total_tokens = self._micro_batch_inputs(samples, masks, data, self.device)
         with self._routing_pass(ReplayMode.REPLAY if self.routing else ReplayMode.OFF) as replay:
             for _, packed, batch in inputs:
@@ -221,8 +222,7 @@ class FSDPTrainer(TrainerBase):
                 # Each rank's loss is already its share of the global loss; FSDP averages gradients over ranks,
                 # so scale by the number of ranks to make that average the sum.
                 (loss * self.dp.size).backward()
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
+                add_metrics(sums, metrics)
         max_norm = args.clip_grad if args.clip_grad > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):
@@ -232,8 +232,7 @@ class FSDPTrainer(TrainerBase):
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        keys = sorted(sums)
-        metrics = dict(zip(keys, self.dp.sum([sums[k] for k in keys]), strict=True))
+        metrics = metric_sums(sums, self.dp)
         elapsed = time.perf_counter() - start
         metrics.update(
             grad_norm=float(grad_norm), lr=lr, step_time_s=elapsed, tokens_per_s=total_tokens / elapsed

@@ -157,7 +157,7 @@ class RMSNorm(torch.nn.RMSNorm):
 def packed_seq_params(layout: PackedLayout) -> PackedSeqParams:
     """``PackedSeqParams`` of a packed micro-batch's (padded) sequences, carrying ``layout``. The row is one ``sbhd``
     sequence to Megatron: :class:`PackedCoreAttention` and :class:`PackedRotaryEmbedding` keep the sequences apart."""
-    cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device=layout.device)
+    cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32).to(layout.device, non_blocking=True)
     longest = max(layout.padded_lengths)
     params = PackedSeqParams(
         qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest

@@ -91,7 +91,7 @@ class PackedLayout:
     @cached_property
     def local_positions(self) -> torch.Tensor:
         """Padded-row positions this rank holds, in local order."""
-        return self.positions(self.cp_rank).to(self.device)
+        return self.positions(self.cp_rank).to(self.device, non_blocking=True)
 
     @cached_property
     def rope_positions(self) -> torch.Tensor:
@@ -100,7 +100,7 @@ class PackedLayout:
         sequence = torch.bucketize(
             self.positions(self.cp_rank), torch.tensor(self.cu_seqlens[1:]), right=True
         )
-        return (self.positions(self.cp_rank) - starts[sequence]).to(self.device)
+        return (self.positions(self.cp_rank) - starts[sequence]).to(self.device, non_blocking=True)
 
     @cached_property
     def _gathered_index_cpu(self) -> torch.Tensor:
@@ -112,12 +112,12 @@ class PackedLayout:
     @cached_property
     def gathered_index(self) -> torch.Tensor:
         """For each padded-row position, its row in the CP all-gather of every rank's local rows (rank-major)."""
-        return self._gathered_index_cpu.to(self.device)
+        return self._gathered_index_cpu.to(self.device, non_blocking=True)
 
     def pad(self, row: torch.Tensor, value: int = 0) -> torch.Tensor:
         """The unpadded packed ``row`` ([T, ...]) laid out on the padded row, pads filled with ``value``."""
         out = row.new_full((self.cu_seqlens[-1], *row.shape[1:]), value)
-        out[self.to_padded(torch.arange(len(row))).to(row.device)] = row
+        out[self.to_padded(torch.arange(len(row))).to(row.device, non_blocking=True)] = row
         return out
 
     def to_padded(self, index: torch.Tensor) -> torch.Tensor:
@@ -145,7 +145,7 @@ class PackedLayout:
         where = self._gathered_index_cpu[self.to_padded(rows)]
         owner, local = where // self.local_length, where % self.local_length
         if self.cp_size == 1:
-            return local.to(self.device), None
+            return local.to(self.device, non_blocking=True), None
         most = int(torch.bincount(owner, minlength=self.cp_size).max())
         rank_of_row = torch.empty_like(owner)
         for rank in range(self.cp_size):
@@ -153,13 +153,15 @@ class PackedLayout:
             rank_of_row[mine] = torch.arange(int(mine.sum()))
         held = local[owner == self.cp_rank]
         held = torch.cat([held, held.new_zeros(most - len(held))])
-        return held.to(self.device), (owner * most + rank_of_row).to(self.device)
+        return held.to(self.device, non_blocking=True), (owner * most + rank_of_row).to(
+            self.device, non_blocking=True
+        )
 
     def local_rows(self, row: torch.Tensor, tp_size: int = 1, tp_rank: int = 0) -> torch.Tensor:
         """The rows of an unpadded packed-row tensor ``row`` ([T, ...]) that this rank's layers see: its CP share
         (pads filled with zeros/False), and with sequence parallelism (``tp_size`` > 1) the ``tp_rank``-th of
         ``tp_size`` equal slices of that."""
-        local = self.pad(row)[self.positions(self.cp_rank).to(row.device)]
+        local = self.pad(row)[self.positions(self.cp_rank).to(row.device, non_blocking=True)]
         size = len(local) // tp_size
         return local[tp_rank * size : (tp_rank + 1) * size]
 
@@ -172,5 +174,5 @@ class PackedLayout:
     def labels(self, input_ids: torch.Tensor, local_rows: torch.Tensor) -> torch.Tensor:
         """The token each of ``local_rows`` predicts (the next token of the padded row), from the unpadded
         ``input_ids`` on ``device``."""
-        padded = self.pad(input_ids.to(self.device))
+        padded = self.pad(input_ids.to(self.device, non_blocking=True))
         return padded[(self.local_positions[local_rows] + 1).clamp(max=len(padded) - 1)]

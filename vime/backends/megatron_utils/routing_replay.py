@@ -84,8 +84,8 @@ def local_routing(
         return None
     tp, tp_rank = _sequence_parallel_size(sequence_parallel), parallel_state.get_tensor_model_parallel_rank()
     return MicroBatchRouting(
-        layout.local_rows(routing.experts, tp, tp_rank).cuda(),
-        layout.local_rows(routing.mask, tp, tp_rank).cuda(),
+        layout.local_rows(routing.experts, tp, tp_rank).cuda(non_blocking=True),
+        layout.local_rows(routing.mask, tp, tp_rank).cuda(non_blocking=True),
     )
 
 

@@ -53,6 +53,7 @@ from vime.backends.megatron_utils.routing_replay import (
     full_row_routing,
     local_routing,
 )
+from vime.backends.micro_batches import add_metrics, metric_sums
 from vime.backends.trainer_base import PerSample, TrainerBase
 from vime.utils.distributed import DataParallel, init_distributed
 from vime.utils.freeze import apply_trainable_patterns
@@ -250,8 +251,8 @@ class MegatronTrainer(TrainerBase):
         return dict(
             packed=packed,
             layout=layout,
-            input_ids=layout.pad(packed.input_ids.cuda())[local],
-            position_ids=layout.pad(packed.position_ids.cuda())[local],
+            input_ids=layout.pad(packed.input_ids.cuda(non_blocking=True))[local],
+            position_ids=layout.pad(packed.position_ids.cuda(non_blocking=True))[local],
             params=packed_seq_params(layout),
             rows=rows,
             labels=layout.labels(packed.input_ids, rows),
@@ -355,7 +356,7 @@ class MegatronTrainer(TrainerBase):
             if entropy is not None:
                 for i, piece in zip(mb["indices"], entropy.split(lengths), strict=True):
                     entropies[i] = piece.float()
-            return torch.zeros((), device="cuda"), torch.tensor(0, dtype=torch.int, device="cuda"), {}
+            return torch.zeros((), device="cuda"), torch.zeros((), dtype=torch.int, device="cuda"), {}
 
         # eval mode: no dropout anyway, and Megatron's MoE refuses TP without sequence parallelism only in training
         was_training = model.training
@@ -388,7 +389,7 @@ class MegatronTrainer(TrainerBase):
         def loss_func(mb, output):
             per_token, entropy = self._token_outputs(mb, output, self.role == "actor", entropy_grad)
             loss = per_token.sum() + (entropy.sum() if entropy is not None and entropy_grad else 0.0)
-            return loss * 0.0, torch.tensor(1, dtype=torch.int, device="cuda"), {}
+            return loss * 0.0, torch.ones((), dtype=torch.int, device="cuda"), {}
 
         self.model.train()
         self.model.zero_grad_buffer()
@@ -405,7 +406,7 @@ class MegatronTrainer(TrainerBase):
         start = time.perf_counter()
         inputs, total_tokens = self._micro_batch_inputs(samples, masks, data, self.device)
         mbs = [self._model_batch(packed, indices=mb, batch=batch) for mb, packed, batch in inputs]
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor | float] = {}
         entropy_grad = self._entropy_needs_grad()
 
         def loss_func(mb, output):
@@ -425,9 +426,8 @@ class MegatronTrainer(TrainerBase):
                     if recompute
                     else loss_of(output)
                 )
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-            return loss, torch.tensor(1, dtype=torch.int, device="cuda"), {}
+            add_metrics(sums, metrics)
+            return loss, torch.ones((), dtype=torch.int, device="cuda"), {}
 
         self.model.train()
         self.model.zero_grad_buffer()
@@ -441,9 +441,8 @@ class MegatronTrainer(TrainerBase):
             raise RuntimeError("the Megatron optimizer step failed (inf/nan gradients)")
         self.scheduler.step(increment=1)
         self.step += 1
-        keys = sorted(sums)
         # metrics exist on the last pipeline stage; summed over data-parallel ranks there
-        metrics = dict(zip(keys, self.dp.sum([sums[k] for k in keys]), strict=True))
+        metrics = metric_sums(sums, self.dp)
         elapsed = time.perf_counter() - start
         metrics.update(
             grad_norm=float(grad_norm or 0.0), lr=lr, step_time_s=elapsed, tokens_per_s=total_tokens / elapsed
