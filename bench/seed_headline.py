@@ -55,7 +55,7 @@ def slime_argv(opts, model_dir: Path, work: Path) -> list[str]:
         "--rollout-max-response-len", str(opts.max_response_len), "--rollout-temperature", "1",
         "--num-rollout", str(opts.steps),
         "--actor-num-gpus-per-node", str(opts.gpus), "--colocate", "--offload",
-        "--rollout-num-gpus-per-engine", str(opts.gpus),
+        "--rollout-num-gpus-per-engine", str(opts.gpus_per_engine or opts.gpus),
         "--vllm-gpu-memory-utilization", str(opts.gpu_memory_utilization),
         "--vllm-max-model-len", str(opts.max_response_len + 256),
         "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(opts.gpus),
@@ -83,6 +83,10 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-layers", type=int, default=48, help="of Qwen3-30B-A3B's 48")
     p.add_argument("--gpus", type=int, default=1)
+    p.add_argument(
+        "--gpus-per-engine", type=int, default=None,
+        help="GPUs (tensor parallelism) of each engine; default all (one engine, as slime); 1: one engine per GPU",
+    )  # fmt: skip
     p.add_argument("--mean-response-len", type=int, default=4096)
     p.add_argument("--max-response-len", type=int, default=8192)
     p.add_argument("--max-tokens-per-gpu", type=int, default=20480)
@@ -129,6 +133,7 @@ def result(
         "workload": {
             "shape": shape,
             "gpus": opts.gpus,
+            "gpus_per_engine": opts.gpus_per_engine or opts.gpus,
             "prompts": 32,
             "n_samples_per_prompt": 8,
             "global_batch": 256,
@@ -167,6 +172,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vime-headline-"))
     os.environ["VIME_BENCH_MEAN_RESPONSE_LEN"] = str(opts.mean_response_len)
     name = f"seed_headline_{shape}_{opts.gpus}gpu" + ("" if opts.grouped_gemm else "_sequential-experts")
+    if opts.gpus_per_engine and opts.gpus_per_engine != opts.gpus:
+        name += f"_tp{opts.gpus_per_engine}-engines"
     out = opts.out or f"bench/results/{name}.json"
 
     def write(*so_far) -> None:

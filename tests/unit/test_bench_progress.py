@@ -68,3 +68,14 @@ def test_the_headline_engines_skip_the_allreduce_rms_fusion_unless_asked(tmp_pat
     }
     assert argv[-2:] == ["--vllm-seed", "1"]  # train.py flags given after -- come last, so they win
     assert FUSION_OFF[0] not in slime_argv(parse_options(["--allreduce-rms-fusion"]), tmp_path, tmp_path)
+
+
+def test_the_headline_runs_one_engine_over_all_gpus_unless_told_how_many_each(tmp_path, monkeypatch):
+    monkeypatch.setattr(seed_headline, "trainer_flags", lambda backend, model_dir: [])  # no model here
+
+    def per_engine(*flags: str) -> str:
+        argv = slime_argv(parse_options(["--gpus", "4", *flags]), tmp_path, tmp_path)
+        return argv[argv.index("--rollout-num-gpus-per-engine") + 1]
+
+    assert per_engine() == "4"
+    assert per_engine("--gpus-per-engine", "1") == "1"
