@@ -6,9 +6,12 @@
 - ``offload``: one GPU shared by the trainer and the engine, the trainer's state off the GPU while the engine
   generates (``--offload-train``);
 - ``colocate-4api``: ``colocate`` with four API servers per engine (``--vllm-api-server-count 4``: requests, sleep,
-  wake and the CUDA IPC syncs reach the engine core through whichever front-end takes them).
+  wake and the CUDA IPC syncs reach the engine core through whichever front-end takes them);
+- ``offload-cpu-optimizer`` (Megatron): ``offload`` with slime's CPU optimizer flags (``--optimizer-cpu-offload
+  --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer``): the optimizer state lives on the host, the rest
+  of the trainer's state leaves the GPU while the engine generates (the 30B-A3B seed run's setting past 24 layers).
 
-Needs the GPU kit (vllm, ray, vllm-router, megatron-core; see tests/gpu/README.md), and 2 GPUs except ``offload``."""
+Needs the GPU kit (vllm, ray, vllm-router, megatron-core; see tests/gpu/README.md), and 2 GPUs except the ``offload`` layouts."""
 
 from __future__ import annotations
 
@@ -49,12 +52,15 @@ def _log_tails(tmp_path: Path) -> str:
         pytest.param("colocate", marks=TWO_GPUS),
         "offload",
         pytest.param("colocate-4api", marks=TWO_GPUS),
+        "offload-cpu-optimizer",
     ],
 )
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_grpo_loop_learns_with_matching_log_probs(backend, layout, tmp_path):
     if backend == "megatron" and importlib.util.find_spec("megatron.core") is None:
         pytest.skip("needs megatron-core")
+    if layout == "offload-cpu-optimizer" and backend != "megatron":
+        pytest.skip("the CPU optimizer flags are Megatron-Core's")
     from vime.tools.make_tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model", seed=0)
@@ -71,9 +77,17 @@ def test_grpo_loop_learns_with_matching_log_probs(backend, layout, tmp_path):
         argv += ["--colocate", "--actor-num-gpus-per-node", "2"]
         if layout == "colocate-4api":
             argv += ["--vllm-api-server-count", "4"]
-    elif layout == "offload":  # one GPU; the engine may take most of it while the trainer is offloaded
+    elif layout.startswith(
+        "offload"
+    ):  # one GPU; the engine may take most of it while the trainer is offloaded
         argv += ["--colocate", "--offload-train"]
         argv[argv.index("--vllm-gpu-memory-utilization") + 1] = "0.8"
+        if layout == "offload-cpu-optimizer":
+            argv += [
+                "--optimizer-cpu-offload",
+                "--overlap-cpu-optimizer-d2h-h2d",
+                "--use-precision-aware-optimizer",
+            ]
     else:
         argv += ["--update-weight-transport", "distributed"]
     if backend == "megatron":
@@ -99,14 +113,14 @@ def test_grpo_loop_learns_with_matching_log_probs(backend, layout, tmp_path):
     assert max(diffs) < 1e-5, diffs
     if layout != "split":  # every engine slept once per training step (vLLM logs each sleep); with
         # --offload-train also once at the start, while the trainer came back to load its checkpoint
-        sleeps = NUM_ROLLOUT + (layout == "offload")
+        sleeps = NUM_ROLLOUT + layout.startswith("offload")
         for log in (tmp_path / "logs").glob("engine_*.log"):
             assert log.read_text(errors="replace").count("Sleep mode freed") == sleeps, log.name
     assert all(r["weight_sync/bytes"] > 0 for r in train)
-    if (
-        layout == "offload"
+    if layout.startswith(
+        "offload"
     ):  # the trainer gave its GPU memory back at every step (and before the engine started)
         assert all(r["offload/freed_gib"] > 0 and r["time/onload_s"] > 0 for r in train), train[-1]
-        print(f"[{backend} offload] freed {train[-1]['offload/freed_gib']:.2f} GiB per step; offload "
+        print(f"[{backend} {layout}] freed {train[-1]['offload/freed_gib']:.2f} GiB per step; offload "
               f"{train[-1]['time/offload_s']:.2f} s, onload {train[-1]['time/onload_s']:.2f} s")  # fmt: skip
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards
