@@ -79,6 +79,7 @@ def profile_report(prof, wall_s: float, rows: int = 40) -> str:
         averages.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70),
         averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70),
         host_syncs(prof),
+        gpu_idle_gaps(prof.events()),
     ])  # fmt: skip
 
 
@@ -90,16 +91,59 @@ def host_syncs(prof, rows: int = 15) -> str:
     for event in prof.events():
         if event.name != "cudaStreamSynchronize":
             continue
-        op = event
-        while op.cpu_parent is not None and not op.stack:
-            op = op.cpu_parent
-        site = sites[(op.name, *op.stack[:6])]
+        site = sites[_call_site(event)]
         site[0] += 1
         site[1] += event.time_range.elapsed_us() / 1e6
     lines = [
         f"host syncs: {sum(n for n, _ in sites.values()):,} in the step, by call site (count, host time waiting)"
     ]
     for (name, *stack), (count, seconds) in sorted(sites.items(), key=lambda item: -item[1][0])[:rows]:
+        lines.append(f"{count:>7,} {seconds:8.3f} s  {name}")
+        lines.extend(f"          {frame}" for frame in stack)
+    return "\n".join(lines)
+
+
+def _call_site(op) -> tuple[str, ...]:
+    """An op's name and the first Python frames of the nearest op above it (itself included) that has a stack."""
+    name = op.name
+    while op.cpu_parent is not None and not op.stack:
+        op = op.cpu_parent
+    return (name, *op.stack[:6])
+
+
+def gpu_idle_gaps(events, rows: int = 15, min_gap_us: float = 5.0) -> str:
+    """Where the GPU waits for the host: every gap of at least ``min_gap_us`` between the kernels (all streams
+    merged), charged to the Python call site of the op whose kernel ends it (the host was busy getting there: in a
+    wait for the GPU just before, or in Python and launches)."""
+    kernels = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    ops = {  # the ops a kernel's linked correlation id names (runtime events such as launches link to them too)
+        e.id: e
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)
+    }
+    sites: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
+    busy_until = kernels[0].time_range.end if kernels else 0
+    total_us = 0.0
+    for kernel in kernels[1:]:
+        gap = kernel.time_range.start - busy_until
+        busy_until = max(busy_until, kernel.time_range.end)
+        if gap < min_gap_us:
+            continue
+        total_us += gap
+        op = ops.get(getattr(kernel, "linked_correlation_id", 0))
+        site = sites[
+            _call_site(op) if op is not None else (f"(kernel {kernel.name}: launching op not recorded)",)
+        ]
+        site[0] += 1
+        site[1] += gap / 1e6
+    lines = [
+        f"GPU idle: {total_us / 1e6:.3f} s in {sum(n for n, _ in sites.values()):,} gaps of >= {min_gap_us:g} us, "
+        "by the call site of the op whose kernel ended the gap (count, idle time)"
+    ]
+    for (name, *stack), (count, seconds) in sorted(sites.items(), key=lambda item: -item[1][1])[:rows]:
         lines.append(f"{count:>7,} {seconds:8.3f} s  {name}")
         lines.extend(f"          {frame}" for frame in stack)
     return "\n".join(lines)
