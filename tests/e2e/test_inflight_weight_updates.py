@@ -7,8 +7,9 @@ The timing is made certain, not waited for. Requests never sample a stop token u
 bias of -100 on EOS and on ``<|endoftext|>``, which the tiny model's generation config stops on too), so they run until
 a sync lands (a sync pauses the engines within ~1 s of the test's call, staging included, when a sequence needs
 ``MAX_TOKENS`` tokens to finish); the in-place sync's own pause (``keep``) freezes them. Before the full refresh the
-test freezes them itself (``/pause?mode=keep``): the refresh's pause aborts them all the same, and no sequence of the
-in-place version can finish first, however slow the machine. The "bigram" weights make the KV cache irrelevant: with every
+test freezes them itself (``/pause?mode=keep``) as soon as the in-place sync before it returns: the refresh's pause
+aborts them all the same, and no sequence of the in-place version can finish first (waiting for them to generate
+there first once let two reach ``MAX_TOKENS`` under the checkpoint's weights in a CI run). The "bigram" weights make the KV cache irrelevant: with every
 ``o_proj`` and ``down_proj`` zero each layer adds nothing to the residual stream, and the next token depends on the
 previous one alone, ``log_softmax(lm_head(rms_norm(embed[prev])) + bias)``; their EOS row is set so that EOS stays
 likely despite the bias, so sequences end soon after a sync to them. Tokens the engines label with the bigram version
@@ -131,13 +132,18 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
         manager.set_weight_version(version)
         return metrics
 
-    def generating() -> None:
-        """Until groups are in flight and generating (they cannot finish under the checkpoint's weights), and a second
-        more, for a request still on its way to the other engine."""
+    def in_flight() -> float:
+        """Until the worker has groups in flight; the deadline for what follows."""
         deadline = time.monotonic() + 120
         while not worker.in_flight:
             assert time.monotonic() < deadline, "no group in flight"
             time.sleep(0.01)
+        return deadline
+
+    def generating() -> None:
+        """Until groups are in flight and generating (they cannot finish under the checkpoint's weights), and a second
+        more, for a request still on its way to the other engine."""
+        deadline = in_flight()
         started = _generated_tokens(manager.engine_urls())
         while _generated_tokens(manager.engine_urls()) < started + 8:
             assert time.monotonic() < deadline, "the groups in flight generate nothing"
@@ -157,7 +163,11 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
             s for s in samples if s.weight_versions == [1, 2]
         ]  # began under version 1, finished under 2
         assert len(samples) == 4 and len(crossed) >= 2, [s.weight_version_spans for s in samples]
-        assert all(s.weight_versions == [2] for s in samples if s not in crossed)  # else began after the sync
+        assert all(
+            s.weight_versions == [2] for s in samples if s not in crossed
+        ), [  # else began after the sync
+            s.weight_version_spans for s in samples
+        ]
         for sample in crossed:
             (old, zero, boundary), (new, start, end) = sample.weight_version_spans
             assert (old, zero, new, start, end) == (1, 0, 2, boundary, sample.response_length), (
@@ -170,10 +180,12 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
             before = _span_errors(sample, table, 0, boundary)
             assert sum(before) / len(before) > 0.05, before
 
-        sync(3, base)  # in place: groups started now run until ...
-        generating()
-        _freeze(manager.engine_urls())
-        assert sync(4, bigram)["weight_sync/full_refresh"] == 1.0  # ... this refresh aborts them
+        sync(3, base)  # in place: the groups in flight go on generating (no stop token now) until ...
+        _freeze(
+            manager.engine_urls()
+        )  # ... frozen at once (left to run, two once reached MAX_TOKENS first), ...
+        in_flight()  # (a group sent after the freeze waits on its engine)
+        assert sync(4, bigram)["weight_sync/full_refresh"] == 1.0  # ... and this refresh aborts them
         refreshed = manager.generate(1)
         assert refreshed.metrics["fully_async/aborted_groups"] >= 1
         # each finished under version 2 before sync 3, or was generated again, from its prompt, after sync 4
