@@ -55,7 +55,7 @@ def slime_argv(opts, model_dir: Path, work: Path) -> list[str]:
         "--rollout-max-response-len", str(opts.max_response_len), "--rollout-temperature", "1",
         "--num-rollout", str(opts.steps),
         "--actor-num-gpus-per-node", str(opts.gpus), "--colocate", "--offload",
-        "--rollout-num-gpus-per-engine", str(opts.gpus_per_engine or opts.gpus),
+        "--rollout-num-gpus-per-engine", str(opts.gpus_per_engine),
         "--vllm-gpu-memory-utilization", str(opts.gpu_memory_utilization),
         "--vllm-max-model-len", str(opts.max_response_len + 256),
         "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(opts.gpus),
@@ -104,7 +104,9 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="the result JSON (default bench/results/<name>.json)")
     p.add_argument("extra", nargs="*", help="more train.py flags, after --")
-    return p.parse_args(argv)
+    opts = p.parse_args(argv)
+    opts.gpus_per_engine = opts.gpus_per_engine or opts.gpus
+    return opts
 
 
 def result(
@@ -133,7 +135,7 @@ def result(
         "workload": {
             "shape": shape,
             "gpus": opts.gpus,
-            "gpus_per_engine": opts.gpus_per_engine or opts.gpus,
+            "gpus_per_engine": opts.gpus_per_engine,
             "prompts": 32,
             "n_samples_per_prompt": 8,
             "global_batch": 256,
@@ -172,7 +174,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vime-headline-"))
     os.environ["VIME_BENCH_MEAN_RESPONSE_LEN"] = str(opts.mean_response_len)
     name = f"seed_headline_{shape}_{opts.gpus}gpu" + ("" if opts.grouped_gemm else "_sequential-experts")
-    if opts.gpus_per_engine and opts.gpus_per_engine != opts.gpus:
+    if opts.gpus_per_engine != opts.gpus:
         name += f"_tp{opts.gpus_per_engine}-engines"
     out = opts.out or f"bench/results/{name}.json"
 

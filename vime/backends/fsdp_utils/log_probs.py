@@ -30,8 +30,9 @@ def response_logits(
     are never built.
     """
     index = batch.logit_indices().to(device, non_blocking=True)
-    logits = model(**_inputs(batch, device), logits_to_keep=index).logits[0]
-    return logits, batch.input_ids.to(device, non_blocking=True)[index + 1]
+    inputs = _inputs(batch, device)
+    logits = model(**inputs, logits_to_keep=index).logits[0]
+    return logits, inputs["input_ids"][0, index + 1]
 
 
 def token_log_probs(

@@ -96,11 +96,10 @@ class PackedLayout:
     @cached_property
     def rope_positions(self) -> torch.Tensor:
         """Each local row's position within its padded sequence (what its rotary embedding encodes)."""
+        positions = self.positions(self.cp_rank)
+        sequence = torch.bucketize(positions, torch.tensor(self.cu_seqlens[1:]), right=True)
         starts = torch.tensor(self.cu_seqlens[:-1])
-        sequence = torch.bucketize(
-            self.positions(self.cp_rank), torch.tensor(self.cu_seqlens[1:]), right=True
-        )
-        return (self.positions(self.cp_rank) - starts[sequence]).to(self.device, non_blocking=True)
+        return (positions - starts[sequence]).to(self.device, non_blocking=True)
 
     @cached_property
     def _gathered_index_cpu(self) -> torch.Tensor:
