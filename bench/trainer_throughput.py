@@ -114,15 +114,17 @@ def _call_site(op) -> tuple[str, ...]:
 def gpu_idle_gaps(events, rows: int = 15, min_gap_us: float = 5.0) -> str:
     """Where the GPU waits for the host: every gap of at least ``min_gap_us`` between the kernels (all streams
     merged), charged to the Python call site of the op whose kernel ends it (the host was busy getting there: in a
-    wait for the GPU just before, or in Python and launches)."""
+    wait for the GPU just before, or in Python and launches). A kernel is traced to the runtime call that launched
+    it (``cudaLaunchKernel``, ``cudaMemcpyAsync``...: the same CUPTI correlation id), then to the op around that call;
+    torch 2.11's events have no ``linked_correlation_id``, and the profiler's own events carry id 0."""
     kernels = sorted(
         (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
         key=lambda e: e.time_range.start,
     )
-    ops = {  # the ops a kernel's linked correlation id names (runtime events such as launches link to them too)
+    launches = {  # CPU ops have ids of their own, which may equal a launch's: runtime calls are told by name
         e.id: e
         for e in events
-        if e.device_type == torch.autograd.DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)
+        if e.device_type == torch.autograd.DeviceType.CPU and e.id and e.name.startswith(("cuda", "cu"))
     }
     sites: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
     busy_until = kernels[0].time_range.end if kernels else 0
@@ -133,10 +135,11 @@ def gpu_idle_gaps(events, rows: int = 15, min_gap_us: float = 5.0) -> str:
         if gap < min_gap_us:
             continue
         total_us += gap
-        op = ops.get(getattr(kernel, "linked_correlation_id", 0))
-        site = sites[
-            _call_site(op) if op is not None else (f"(kernel {kernel.name}: launching op not recorded)",)
-        ]
+        launch = launches.get(kernel.id) if kernel.id else None
+        if launch is None:
+            site = sites[(f"(kernel {kernel.name}: its launch not recorded)",)]
+        else:
+            site = sites[_call_site(launch.cpu_parent or launch)]
         site[0] += 1
         site[1] += gap / 1e6
     lines = [
