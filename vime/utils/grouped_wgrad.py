@@ -43,7 +43,7 @@ if triton is not None:
     @triton.jit
     def _add_weight_grads_kernel(
         grad_out_ptr, x_ptr, offs_ptr, main_grad_ptr, n_out, n_in, grad_out_stride, x_stride,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         # programs of one expert are adjacent (axis 0 is the tile), so its rows stay in L2 while its tiles run
         tile, expert = tl.program_id(0), tl.program_id(1)
@@ -67,7 +67,7 @@ if triton is not None:
                     mask=in_rows[:, None] & (cols_in[None, :] < n_in),
                     other=0.0,
                 )
-                acc += tl.dot(g, a)
+                acc += tl.dot(g, a, input_precision=INPUT_PRECISION)
             base = expert.to(tl.int64) * n_out * n_in  # past 2**31 elements at DeepSeek-V3's expert sizes
             target = main_grad_ptr + base + rows_out[:, None] * n_in + cols_in[None, :]
             inside = (rows_out[:, None] < n_out) & (cols_in[None, :] < n_in)
@@ -95,7 +95,11 @@ def add_weight_grads(
             f"{tuple(main_grad.shape)}"
         )
     tiles = triton.cdiv(n_out, block_m) * triton.cdiv(n_in, block_n)
+    # fp32 operands multiply in full fp32, as torch's matmul does by default (Triton's default on a GPU is TF32:
+    # 1e-2 off on the H200); bf16 products are exact in fp32 whatever the setting
+    input_precision = "ieee" if grad_out.dtype == torch.float32 else None
     _add_weight_grads_kernel[(tiles, experts)](
         grad_out, x, offs, main_grad, n_out, n_in, grad_out.stride(0), x.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INPUT_PRECISION=input_precision,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
