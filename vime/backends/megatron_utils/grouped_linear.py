@@ -3,8 +3,9 @@
 The experts' weights are one stacked tensor ``[E, out, in]`` (expert ``e``'s ``[out, in]`` as ``F.linear`` takes it),
 so the forward and the input gradient read it as it is, and the weight gradient of every expert comes out of one
 grouped GEMM in the same layout. Where the weight carries Megatron DDP's ``main_grad`` (one contiguous view of the
-grad buffer) the gradient is added into it with one ``add_`` and autograd gets a dummy gradient that DDP's backward
-hook skips (``grad_added_to_main_grad``), as Megatron's own gradient-accumulation fusion does. A plain weight (no
+grad buffer) the gradient is added into it (on GPU by :mod:`vime.utils.grouped_wgrad`'s kernel, which accumulates in
+fp32 and adds in place; elsewhere a bf16 ``grouped_mm`` and one ``add_``) and autograd gets a dummy gradient that
+DDP's backward hook skips (``grad_added_to_main_grad``), as Megatron's own gradient-accumulation fusion does. A plain weight (no
 ``main_grad``) gets its ordinary gradient.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from vime.utils import grouped_wgrad
 
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -47,11 +50,13 @@ def _weight_grad(
     without tokens): returned for a plain weight, else added into ``main_grad`` and autograd handed what Megatron's
     DDP hook expects: ``None`` for a weight DDP does not manage, else a dummy (zeros where DDP adds it anyway:
     ``zero_out_wgrad``) with ``grad_added_to_main_grad`` set so the hook skips the add."""
-    grad = grouped_mm(grad_out.t(), x, offs=offs)
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
-        return grad
-    main_grad.add_(grad)  # bf16 into fp32 in one kernel
+        return grouped_mm(grad_out.t(), x, offs=offs)
+    if grouped_wgrad.usable(grad_out, x, main_grad):
+        grouped_wgrad.add_weight_grads(grad_out, x, offs, main_grad)  # one kernel, accumulated in fp32
+    else:
+        main_grad.add_(grouped_mm(grad_out.t(), x, offs=offs))  # bf16, then added into fp32
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
