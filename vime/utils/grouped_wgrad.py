@@ -5,8 +5,8 @@ For expert ``e`` with rows ``offs[e-1]:offs[e]`` of ``x`` ``[tokens, in]`` and o
 writing a bf16 ``[E, out, in]`` gradient (torch 2.11 gives it no fp32 output), then an ``add_`` of mixed dtypes
 reading it back into the fp32 buffer (0.21 s of a 2.25 s 30B-A3B step on one H200). The products accumulate in fp32
 and are added in fp32, so the result is at least as exact as the two-pass one. Under ``TRITON_INTERPRET=1`` the
-kernel runs on CPU tensors (tests). Not yet taken by ``grouped_linear``: ``bench/grouped_wgrad.py`` measures it
-against the two passes on a GPU first (branch ``fused-wgrad`` has the wiring).
+kernel runs on CPU tensors (tests). ``grouped_linear`` takes it on GPU; ``bench/grouped_wgrad.py`` measures it
+against the two passes.
 """
 
 from __future__ import annotations
