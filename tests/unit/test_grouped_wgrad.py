@@ -110,3 +110,21 @@ def test_the_kernel_passes_these_tests_interpreted():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
+
+
+@needs_triton
+@runs_here
+def test_grouped_linear_adds_the_weight_gradient_with_the_kernel(monkeypatch):
+    """The Megatron experts' backward takes the kernel for a weight with an fp32 ``main_grad`` (fp32 operands here:
+    the interpreter's bf16 products are wrong), and hands DDP's hook its dummy gradient."""
+    from vime.backends.megatron_utils import grouped_linear
+
+    grad_out, x, offs, main_grad = _inputs(torch.float32)
+    expected = _reference(grad_out, x, main_grad)
+    weight = torch.nn.Parameter(torch.zeros(main_grad.shape, device=DEVICE))
+    weight.main_grad, weight.grad_added_to_main_grad = main_grad, False
+    calls, kernel = [], grouped_wgrad.add_weight_grads
+    monkeypatch.setattr(grouped_wgrad, "add_weight_grads", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    dummy = grouped_linear._weight_grad(grad_out, x, weight, offs)
+    assert calls == [1] and weight.grad_added_to_main_grad and dummy.shape == weight.shape
+    torch.testing.assert_close(main_grad.double().cpu(), expected, rtol=1e-5, atol=1e-5)
