@@ -82,12 +82,14 @@ def test_grpo_loop_learns_with_matching_log_probs(backend, layout, tmp_path):
     ):  # one GPU; the engine may take most of it while the trainer is offloaded
         argv += ["--colocate", "--offload-train"]
         argv[argv.index("--vllm-gpu-memory-utilization") + 1] = "0.8"
-        if layout == "offload-cpu-optimizer":
+        if layout == "offload-cpu-optimizer":  # Megatron-Core's hybrid optimizer takes bf16 weights only
             argv += [
                 "--optimizer-cpu-offload",
                 "--overlap-cpu-optimizer-d2h-h2d",
                 "--use-precision-aware-optimizer",
+                "--bf16",
             ]
+            argv[argv.index("--vllm-dtype") + 1] = "bfloat16"
     else:
         argv += ["--update-weight-transport", "distributed"]
     if backend == "megatron":
@@ -109,8 +111,9 @@ def test_grpo_loop_learns_with_matching_log_probs(backend, layout, tmp_path):
     print(f"\n[{backend} {layout}] logprob diff max {max(diffs):.2e} | reward first5 {sum(rewards[:5]) / 5:.3f} "
           f"last5 {sum(rewards[-5:]) / 5:.3f} | step time {train[-1].get('time/train_s', 0):.2f}s train, "
           f"{train[-1].get('time/sync_s', 0):.2f}s sync, {train[-1].get('time/rollout_s', 0):.2f}s rollout")  # fmt: skip
-    # fp32 on both sides: ~2e-7 (seen 1.8e-7 FSDP, 3.0e-7 Megatron); 1e-4 was the engine's TF32 attention
-    assert max(diffs) < 1e-5, diffs
+    # fp32 on both sides: ~2e-7 (seen 1.8e-7 FSDP, 3.0e-7 Megatron); 1e-4 was the engine's TF32 attention. bf16
+    # (the CPU optimizer's layout) rounds each value to 3.9e-3: ~1e-3 seen on a tiny MoE (tests/gpu/README.md)
+    assert max(diffs) < (1e-2 if layout == "offload-cpu-optimizer" else 1e-5), diffs
     if layout != "split":  # every engine slept once per training step (vLLM logs each sleep); with
         # --offload-train also once at the start, while the trainer came back to load its checkpoint
         sleeps = NUM_ROLLOUT + layout.startswith("offload")
