@@ -51,7 +51,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=10, help="calls of each side timed per round")
     p.add_argument(
-        "--configs", nargs="*", default=["128x128x64:8:3"], help="kernel settings BMxBNxBK:warps:stages"
+        "--configs",
+        nargs="*",
+        default=["64x128x64:4:4"],
+        help="kernel settings BMxBNxBK:warps:stages (default: the kernel's)",
     )
     p.add_argument("--out", default="bench/results/grouped_wgrad_30b-a3b.json")
     opts = p.parse_args()
