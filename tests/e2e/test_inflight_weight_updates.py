@@ -5,14 +5,18 @@ sync aborts them instead and their groups are generated again.
 
 The timing is made certain, not waited for. Requests never sample a stop token under the checkpoint's weights (a logit
 bias of -100 on EOS and on ``<|endoftext|>``, which the tiny model's generation config stops on too), so they run until
-a sync lands (a sync pauses the engines within ~1 s of the test's call, staging included, when a sequence needs
-``MAX_TOKENS`` tokens to finish); the in-place sync's own pause (``keep``) freezes them. Before the full refresh the
-test freezes them itself (``/pause?mode=keep``) as soon as the in-place sync before it returns: the refresh's pause
-aborts them all the same, and no sequence of the in-place version can finish first (waiting for them to generate
-there first once let two reach ``MAX_TOKENS`` under the checkpoint's weights in a CI run). The "bigram" weights make the KV cache irrelevant: with every
-``o_proj`` and ``down_proj`` zero each layer adds nothing to the residual stream, and the next token depends on the
-previous one alone, ``log_softmax(lm_head(rms_norm(embed[prev])) + bias)``; their EOS row is set so that EOS stays
-likely despite the bias, so sequences end soon after a sync to them. Tokens the engines label with the bigram version
+a sync lands or ``MAX_TOKENS``. The test never lets them run unwatched: once the groups generate it freezes them
+(``/pause?mode=keep``) while a request still on its way to the other engine arrives (it waits there), then thaws them
+and calls the in-place sync at once, so they run only while the sync stages its weights (files written,
+``before_weight_update`` hooks) before its own pause (``keep``) freezes them again. (Left to run through a one-second
+wait instead, two reached ``MAX_TOKENS`` under the checkpoint's weights in a CI run: ``[[1, 0, 1500]]`` twice.) Before
+the full refresh the test freezes them as soon as the in-place sync before it returns: the refresh's pause aborts them
+all the same, and no sequence of the in-place version can finish first.
+
+The "bigram" weights make the KV cache irrelevant: with every ``o_proj`` and ``down_proj`` zero each layer adds
+nothing to the residual stream, and the next token depends on the previous one alone,
+``log_softmax(lm_head(rms_norm(embed[prev])) + bias)``; their EOS row is set so that EOS stays likely despite the
+bias, so sequences end soon after a sync to them. Tokens the engines label with the bigram version
 must carry exactly the bigram log-probs (they were sampled by those weights, from the first token of the span on), the
 tokens before them not.
 """
@@ -41,7 +45,7 @@ from vime.utils.types import Sample, Status
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 INTERVAL = 3  # syncs 1 and 4 are full refreshes, 2 and 3 in place
-MAX_TOKENS = 1500  # never reached: the sequences are frozen before a sync stages its weights
+MAX_TOKENS = 1500  # never reached: the sequences run unfrozen only while a sync stages its weights
 EOS = 2  # the tiny model's <|im_end|>
 END_OF_TEXT = 0  # its <|endoftext|>: its generation config stops on it too (~1.5% a token before a sync)
 BIAS = -100.0  # on both, in every request
@@ -89,10 +93,17 @@ def _generated_tokens(urls: list[str]) -> float:
 
 
 def _freeze(urls: list[str]) -> None:
-    """Freeze the requests in flight on every engine (``/pause?mode=keep``) until the next sync resumes (or aborts)
-    them: a sync stages its weights (files written, ``before_weight_update`` hooks) before its own pause."""
+    """Freeze the requests in flight on every engine (``/pause?mode=keep``) until :func:`_thaw` or the next sync
+    resumes (or aborts) them: a sync stages its weights (files written, ``before_weight_update`` hooks) before its
+    own pause."""
     with EngineGroup(urls) as engines:
         engines.run(lambda engine: engine.pause(mode="keep"))
+
+
+def _thaw(urls: list[str]) -> None:
+    """Let frozen requests (and those that arrived meanwhile) run on."""
+    with EngineGroup(urls) as engines:
+        engines.run(lambda engine: engine.resume())
 
 
 def _span_errors(sample: Sample, table: torch.Tensor, start: int, end: int) -> list[float]:
@@ -140,14 +151,15 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
             time.sleep(0.01)
         return deadline
 
-    def generating() -> None:
-        """Until groups are in flight and generating (they cannot finish under the checkpoint's weights), and a second
-        more, for a request still on its way to the other engine."""
+    def generating_then_frozen() -> None:
+        """Until groups are in flight and generating; then frozen, for a second in which a request still on its way to
+        the other engine arrives and waits there."""
         deadline = in_flight()
         started = _generated_tokens(manager.engine_urls())
         while _generated_tokens(manager.engine_urls()) < started + 8:
             assert time.monotonic() < deadline, "the groups in flight generate nothing"
             time.sleep(0.05)
+        _freeze(manager.engine_urls())
         time.sleep(1.0)
 
     try:
@@ -155,8 +167,10 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
         batches = []
         collect = threading.Thread(target=lambda: batches.append(manager.generate(0, weights_ahead=True)))
         collect.start()
-        generating()
-        assert sync(2, bigram)["weight_sync/full_refresh"] == 0.0  # its own pause keeps them in flight
+        generating_then_frozen()
+        # they run while the sync stages its weights, then its own pause keeps them in flight
+        _thaw(manager.engine_urls())
+        assert sync(2, bigram)["weight_sync/full_refresh"] == 0.0
         collect.join(timeout=300)
         samples = [s for g in batches[0].samples for s in g]
         crossed = [
