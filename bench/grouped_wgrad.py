@@ -15,6 +15,7 @@ are compared too (relative max difference).
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 from pathlib import Path
@@ -39,6 +40,12 @@ def parse_config(text: str) -> dict[str, int]:
     )
 
 
+def kernel_default_config() -> str:
+    """``add_weight_grads``'s own default settings, as ``--configs`` writes them."""
+    d = {k: v.default for k, v in inspect.signature(grouped_wgrad.add_weight_grads).parameters.items()}
+    return f"{d['block_m']}x{d['block_n']}x{d['block_k']}:{d['num_warps']}:{d['num_stages']}"
+
+
 def routed_offsets(tokens: int, generator: torch.Generator) -> torch.Tensor:
     """int32 cumulative rows per expert of ``tokens`` routed top-``TOP_K`` by random router logits."""
     chosen = torch.randn(tokens, EXPERTS, generator=generator).topk(TOP_K, dim=1).indices
@@ -53,7 +60,7 @@ def main() -> None:
     p.add_argument(
         "--configs",
         nargs="*",
-        default=["64x128x64:4:4"],
+        default=[kernel_default_config()],
         help="kernel settings BMxBNxBK:warps:stages (default: the kernel's)",
     )
     p.add_argument("--out", default="bench/results/grouped_wgrad_30b-a3b.json")

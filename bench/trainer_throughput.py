@@ -135,7 +135,7 @@ def gpu_idle_gaps(events, rows: int = 15, min_gap_us: float = 5.0) -> str:
         if gap < min_gap_us:
             continue
         total_us += gap
-        launch = launches.get(kernel.id) if kernel.id else None
+        launch = launches.get(kernel.id)  # never id 0: the profiler's own
         if launch is None:
             site = sites[(f"(kernel {kernel.name}: its launch not recorded)",)]
         else:

@@ -11,9 +11,8 @@ waits there), then thaws them and calls the in-place sync at once, so they run o
 weights (files written, ``before_weight_update`` hooks) before its own pause (``keep``) freezes them again. (Waiting
 for the engines' token counter instead, with or without a freeze after it, let a group reach ``MAX_TOKENS`` under the
 checkpoint's weights in two CI runs, ``[[1, 0, 1500]]`` twice: under load that counter said little about what the
-sequences had generated.) Before
-the full refresh the test freezes them as soon as the in-place sync before it returns: the refresh's pause aborts them
-all the same, and no sequence of the in-place version can finish first.
+sequences had generated.) Before the full refresh the test freezes them as soon as the in-place sync before it
+returns: the refresh's pause aborts them all the same, and no sequence of the in-place version can finish first.
 
 The "bigram" weights make the KV cache irrelevant: with every ``o_proj`` and ``down_proj`` zero each layer adds
 nothing to the residual stream, and the next token depends on the previous one alone,
@@ -183,12 +182,12 @@ def test_a_sync_in_place_finishes_sequences_on_the_new_weights_and_a_refresh_abo
             before = _span_errors(sample, table, 0, boundary)
             assert sum(before) / len(before) > 0.05, before
 
-        sync(3, base)  # in place: the groups in flight go on generating (no stop token now) until ...
-        _freeze(
-            manager.engine_urls()
-        )  # ... frozen at once (left to run, two once reached MAX_TOKENS first), ...
-        in_flight()  # (a group sent after the freeze waits on its engine)
-        assert sync(4, bigram)["weight_sync/full_refresh"] == 1.0  # ... and this refresh aborts them
+        # in place: the groups in flight would go on generating (no stop token now), so they are frozen at once (left
+        # to run, two once reached MAX_TOKENS first); a group sent after the freeze waits on its engine
+        sync(3, base)
+        _freeze(manager.engine_urls())
+        in_flight()
+        assert sync(4, bigram)["weight_sync/full_refresh"] == 1.0  # this refresh aborts them
         refreshed = manager.generate(1)
         assert refreshed.metrics["fully_async/aborted_groups"] >= 1
         # each finished under version 2 before sync 3, or was generated again, from its prompt, after sync 4

@@ -5,8 +5,8 @@ so the forward and the input gradient read it as it is, and the weight gradient 
 grouped GEMM in the same layout. Where the weight carries Megatron DDP's ``main_grad`` (one contiguous view of the
 grad buffer) the gradient is added into it (on GPU by :mod:`vime.utils.grouped_wgrad`'s kernel, which accumulates in
 fp32 and adds in place; elsewhere a bf16 ``grouped_mm`` and one ``add_``) and autograd gets a dummy gradient that
-DDP's backward hook skips (``grad_added_to_main_grad``), as Megatron's own gradient-accumulation fusion does. A plain weight (no
-``main_grad``) gets its ordinary gradient.
+DDP's backward hook skips (``grad_added_to_main_grad``), as Megatron's own gradient-accumulation fusion does. A
+plain weight (no ``main_grad``) gets its ordinary gradient.
 """
 
 from __future__ import annotations
